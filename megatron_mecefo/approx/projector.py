@@ -1,0 +1,150 @@
+"""LowRankProjector: the basis V of MeCeFO's low-rank weight gradient (MeCeFO §3.3).
+
+For a linear map y = x W^T with W of shape (out, in), V (in, r) holds the top-r right singular
+vectors of W itself, so that the weight gradient G_W = G_y^T x is approximated by
+(G_y^T (x V)) V^T = G_W V V^T, the exact gradient projected onto W's dominant input directions.
+
+The projector owns V and when to recompute it (every `tau` steps, and on first use). It knows
+nothing of autograd (see lowrank_grad.py) or of distribution: under tensor parallelism each rank
+keeps the basis of its own weight shard.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from megatron_mecefo.approx.mode import SVD_METHODS
+
+__all__ = ["LowRankProjector", "top_right_singular_vectors"]
+
+
+def top_right_singular_vectors(
+    weight: torch.Tensor,
+    rank: int,
+    *,
+    method: str = "auto",
+    exact_max_dim: int = 4096,
+    oversample: int = 8,
+    niter: int = 2,
+    seed: int = 0,
+) -> torch.Tensor:
+    """Top-`rank` right singular vectors of a 2-D `weight` (out, in), as an (in, rank) matrix.
+
+    The decomposition runs in fp32 (bf16/fp16 SVD is unsupported or inaccurate) and the result is
+    cast back to `weight`'s dtype, on `weight`'s device. The randomized method draws from a private,
+    seeded RNG stream, so it neither perturbs the training RNG (dropout) nor differs between ranks
+    holding the same weight.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
+    if not 0 < rank < min(weight.shape):
+        raise ValueError(
+            f"rank must satisfy 0 < rank < min(out, in) = {min(weight.shape)} for a weight of shape "
+            f"{tuple(weight.shape)}; got rank={rank}"
+        )
+    w = weight.detach().float()
+    use_exact = method == "exact" or (method == "auto" and min(w.shape) <= exact_max_dim)
+    if use_exact:
+        _, _, vh = torch.linalg.svd(w, full_matrices=False)  # vh: (k, in)
+        v = vh[:rank].T
+    else:
+        q = min(rank + oversample, min(w.shape))
+        devices = [w.device] if w.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            _, _, v = torch.svd_lowrank(w, q=q, niter=niter)  # v: (in, q)
+        v = v[:, :rank]
+    return v.to(dtype=weight.dtype).contiguous()
+
+
+class LowRankProjector:
+    """Owns V (in, r) for one weight and refreshes it every `tau` steps.
+
+    Args:
+        rank: r, the number of right singular vectors kept.
+        tau: refresh period in optimizer steps (the basis is also computed on first use).
+        svd_method: 'exact', 'randomized' or 'auto' (exact when min(out, in) <= exact_max_dim).
+        exact_max_dim: threshold of 'auto'.
+        seed: seed of the randomized SVD's private RNG stream.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        tau: int,
+        *,
+        svd_method: str = "auto",
+        exact_max_dim: int = 4096,
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(rank, int) or rank <= 0:
+            raise ValueError(f"LowRankProjector: rank must be a positive int, got {rank!r}")
+        if not isinstance(tau, int) or tau <= 0:
+            raise ValueError(f"LowRankProjector: tau must be a positive int, got {tau!r}")
+        if svd_method not in SVD_METHODS:
+            raise ValueError(f"LowRankProjector: svd_method must be one of {SVD_METHODS}, got {svd_method!r}")
+        self.rank = rank
+        self.tau = tau
+        self.svd_method = svd_method
+        self.exact_max_dim = exact_max_dim
+        self.seed = seed
+        self.basis: Optional[torch.Tensor] = None  # V: (in, r)
+        self.last_refresh_step: Optional[int] = None
+        self.num_refreshes = 0
+
+    def needs_refresh(self, step: int) -> bool:
+        """True when no basis exists, `tau` steps have passed, or the step went backwards (reload)."""
+        if self.basis is None or self.last_refresh_step is None:
+            return True
+        return step < self.last_refresh_step or step - self.last_refresh_step >= self.tau
+
+    @torch.no_grad()
+    def maybe_refresh(self, weight: torch.Tensor, step: int) -> bool:
+        """Recompute V from `weight` if due at `step`. Returns True when it was recomputed."""
+        if not self.needs_refresh(step):
+            return False
+        self.basis = top_right_singular_vectors(
+            weight,
+            self.rank,
+            method=self.svd_method,
+            exact_max_dim=self.exact_max_dim,
+            seed=self.seed + step,
+        )
+        self.last_refresh_step = step
+        self.num_refreshes += 1
+        return True
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> x V (..., r)."""
+        return torch.matmul(x, self._require_basis())
+
+    def project_back(self, g: torch.Tensor) -> torch.Tensor:
+        """g (..., r) -> g V^T (..., in)."""
+        return torch.matmul(g, self._require_basis().T)
+
+    def _require_basis(self) -> torch.Tensor:
+        if self.basis is None:
+            raise RuntimeError("LowRankProjector used before maybe_refresh() computed its basis")
+        return self.basis
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """Tensor-only state (safe for torch.save / distributed checkpoint)."""
+        state = {"num_refreshes": torch.tensor(self.num_refreshes)}
+        if self.basis is not None:
+            state["basis"] = self.basis
+            state["last_refresh_step"] = torch.tensor(self.last_refresh_step)
+        return state
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        self.num_refreshes = int(state["num_refreshes"])
+        if "basis" in state:
+            basis = state["basis"]
+            if basis.dim() != 2 or basis.shape[1] != self.rank:
+                raise ValueError(f"basis of shape {tuple(basis.shape)} does not match rank {self.rank}")
+            self.basis = basis
+            self.last_refresh_step = int(state["last_refresh_step"])
+        else:
+            self.basis = None
+            self.last_refresh_step = None

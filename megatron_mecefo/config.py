@@ -1,0 +1,168 @@
+"""MeCeFOConfig: the one configuration object, from a ds_config "mecefo" block and/or CLI flags.
+
+Sources, lowest to highest precedence: field defaults < ds_config["mecefo"] < `--mecefo*` flags.
+Every value is validated in `__post_init__`; a bad value raises ValueError naming the ds_config key
+and the CLI flag, before any training starts. Validation that needs the model (the rank against the
+FFN sizes) is `megatron_mecefo.layers.check_lowrank_rank(model, cfg.rank)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Mapping, Optional
+
+from megatron_mecefo.approx.mode import SVD_METHODS, CoverPolicy
+
+__all__ = ["MeCeFOConfig", "RECOMPUTE_CHOICES", "APPROXIMATE_CHOICES"]
+
+RECOMPUTE_CHOICES = ("auto", "always", "never")
+APPROXIMATE_CHOICES = ("all", "adopted")
+
+
+def _flag(key: str) -> str:
+    return "--mecefo" if key == "enable" else "--mecefo-" + key.replace("_", "-")
+
+
+@dataclasses.dataclass(kw_only=True)
+class MeCeFOConfig:
+    """MeCeFO settings. Disabled by default: then every MeCeFO component is a no-op."""
+
+    enable: bool = False
+    """Turn MeCeFO on (`--mecefo`). Off: plain training, bit-identical to stock Megatron-Core."""
+    rank: int = 64
+    """Rank r of the low-rank FFN weight gradient; 0 < r < min(out, in) of every local FFN weight."""
+    tau: int = 200
+    """Steps between refreshes of each FFN weight's projection basis (also computed on first use)."""
+    svd_method: str = "auto"
+    """How the basis is computed: "exact" (torch.linalg.svd), "randomized" (torch.svd_lowrank), or
+    "auto" = exact when min(out, in) <= svd_exact_max_dim, randomized above."""
+    svd_exact_max_dim: int = 4096
+    """Threshold of svd_method="auto"."""
+    skip_attention: bool = True
+    """Covering micro-batches skip the attention backward (gradient through the residual only)."""
+    lowrank_ffn: bool = True
+    """Covering micro-batches use the low-rank FFN weight gradient."""
+    recompute_ffn: str = "auto"
+    """FFN activation recompute on covering micro-batches: "always" (the paper), "never", or "auto":
+    only when a covering rank holds more than one micro-batch's activations at once (adopted
+    micro-batches merged into a larger batch). One micro-batch at a time with the attention backward
+    skipped already needs about half of a normal rank's activation memory, so recompute would only
+    cost time (see benchmarks/covering_cost.py)."""
+    approximate: str = "all"
+    """Which micro-batches of a covering rank run in covering mode: "all" (its own and the adopted
+    ones; the paper's rule, attention gradients averaged over non-covering ranks only) or "adopted"
+    (its own micro-batches stay exact)."""
+
+    def __post_init__(self) -> None:
+        self._check_bool("enable", "skip_attention", "lowrank_ffn")
+        self._check_int_range("rank", 1)
+        self._check_int_range("tau", 1)
+        self._check_int_range("svd_exact_max_dim", 1)
+        self._check_choice("svd_method", SVD_METHODS)
+        self._check_choice("recompute_ffn", RECOMPUTE_CHOICES)
+        self._check_choice("approximate", APPROXIMATE_CHOICES)
+
+    # -- validation -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _where(key: str) -> str:
+        return f'mecefo "{key}" (ds_config) / {_flag(key)}'
+
+    def _check_bool(self, *keys: str) -> None:
+        for key in keys:
+            value = getattr(self, key)
+            if not isinstance(value, bool):
+                raise ValueError(f"{self._where(key)} must be true or false, got {value!r}")
+
+    def _check_int_range(self, key: str, low: int) -> None:
+        value = getattr(self, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{self._where(key)} must be an integer >= {low}, got {value!r}")
+
+    def _check_choice(self, key: str, choices) -> None:
+        value = getattr(self, key)
+        if value not in choices:
+            raise ValueError(f"{self._where(key)} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+    # -- construction -----------------------------------------------------------------------------
+
+    @classmethod
+    def keys(cls) -> tuple:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_ds_config(cls, block: Optional[Mapping[str, Any]], **overrides: Any) -> "MeCeFOConfig":
+        """Build from the ds_config "mecefo" block (a dict, or None when absent), then `overrides`.
+
+        Raises:
+            ValueError: unknown key, or a value out of range.
+        """
+        if block is None:
+            block = {}
+        if not isinstance(block, Mapping):
+            raise ValueError(f'ds_config "mecefo" must be a JSON object, got {type(block).__name__}')
+        unknown = sorted(set(block) - set(cls.keys()))
+        if unknown:
+            raise ValueError(
+                f'unknown key(s) in ds_config "mecefo": {", ".join(unknown)}; '
+                f"allowed: {', '.join(cls.keys())}"
+            )
+        values = dict(block)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, ds_block: Optional[Mapping[str, Any]] = None) -> "MeCeFOConfig":
+        """Build from parsed `--mecefo*` flags (see `add_cli_args`) over an optional ds_config block."""
+        overrides = {key: getattr(args, "mecefo" if key == "enable" else f"mecefo_{key}", None) for key in cls.keys()}
+        if overrides["enable"] is False:  # store_true default: "not given", not "disable"
+            overrides["enable"] = None
+        return cls.from_ds_config(ds_block, **overrides)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add the `--mecefo*` flags; every default is None so the ds_config block is not overridden."""
+        g = parser.add_argument_group("MeCeFO", "fault-tolerant training (override ds_config \"mecefo\")")
+        g.add_argument("--mecefo", action="store_true", help="enable MeCeFO")
+        g.add_argument("--mecefo-rank", type=int, default=None, help="rank r of the low-rank FFN gradient (64)")
+        g.add_argument("--mecefo-tau", type=int, default=None, help="steps between basis refreshes (200)")
+        g.add_argument("--mecefo-svd-method", choices=SVD_METHODS, default=None, help="SVD method (auto)")
+        g.add_argument("--mecefo-svd-exact-max-dim", type=int, default=None, help="auto: exact SVD up to this dim (4096)")
+        g.add_argument("--mecefo-skip-attention", action=argparse.BooleanOptionalAction, default=None,
+                       help="skip attention backward on covering micro-batches (on)")
+        g.add_argument("--mecefo-lowrank-ffn", action=argparse.BooleanOptionalAction, default=None,
+                       help="low-rank FFN weight gradient on covering micro-batches (on)")
+        g.add_argument("--mecefo-recompute-ffn", choices=RECOMPUTE_CHOICES, default=None,
+                       help="FFN recompute on covering micro-batches (auto)")
+        g.add_argument("--mecefo-approximate", choices=APPROXIMATE_CHOICES, default=None,
+                       help="covering-mode micro-batches of a covering rank (all)")
+        return parser
+
+    # -- use --------------------------------------------------------------------------------------
+
+    def cover_policy(self, step: int, *, live_microbatches: int = 1) -> CoverPolicy:
+        """The CoverPolicy for a covering micro-batch at optimizer `step`.
+
+        Args:
+            step: the optimizer step (drives the basis refresh every `tau` steps).
+            live_microbatches: how many micro-batches' activations the covering rank holds at once
+                (1 when it runs its micro-batches one after the other); decides recompute_ffn="auto".
+        """
+        if self.recompute_ffn == "auto":
+            recompute = live_microbatches > 1
+        else:
+            recompute = self.recompute_ffn == "always"
+        return CoverPolicy(
+            step=step,
+            skip_attention=self.skip_attention,
+            recompute_ffn=recompute,
+            lowrank_ffn=self.lowrank_ffn,
+            rank=self.rank,
+            tau=self.tau,
+            svd_method=self.svd_method,
+            svd_exact_max_dim=self.svd_exact_max_dim,
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

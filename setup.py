@@ -1,0 +1,28 @@
+"""megatron-mecefo: MeCeFO fault-tolerant training for Megatron-Core and DeepSpeed."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-mecefo",
+    version="0.1.0",
+    description=(
+        "MeCeFO (memory- and computation-efficient fault-tolerant optimization) for "
+        "Megatron-Core / DeepSpeed: survive node failures in-process with a cheap neighbor backward"
+    ),
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_mecefo", "megatron_mecefo.*"]),
+    # torch is deliberately unpinned here: GPU users bring their own CUDA build.
+    # CPU machines install with `-c constraints.txt` (see README).
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16.1",
+        "deepspeed>=0.19.4",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "bench": ["matplotlib>=3.8"],
+    },
+)
