@@ -1,0 +1,101 @@
+"""Small factories for LLaMA-style Megatron-Core GPT models (tests, benchmarks, the example).
+
+Not a training framework: they only spell out the TransformerConfig a LLaMA-style model needs
+(RMSNorm, SwiGLU, rotary embeddings, no biases) and build a GPTModel with the MeCeFO layer spec,
+CPU-ready when CUDA is absent.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_mecefo.layers.cpu import enable_cpu_support
+from megatron_mecefo.layers.specs import get_gpt_layer_mecefo_spec
+
+__all__ = ["init_model_parallel", "llama_config", "build_gpt"]
+
+
+def init_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 0) -> None:
+    """Megatron's parallel_state + RNG trackers over the already initialised torch.distributed world.
+
+    Call on every rank, once, after `torch.distributed.init_process_group`.
+    """
+    enable_cpu_support()
+    parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def llama_config(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    ffn_hidden_size: Optional[int] = None,
+    dtype: torch.dtype = torch.float32,
+    dropout: float = 0.0,
+    **overrides,
+) -> TransformerConfig:
+    """TransformerConfig of a LLaMA-style decoder: RMSNorm, SwiGLU, no biases.
+
+    ffn_hidden_size defaults to LLaMA's 8/3 * hidden rounded up to a multiple of 64.
+    """
+    if ffn_hidden_size is None:
+        ffn_hidden_size = -(-int(8 * hidden_size / 3) // 64) * 64
+    kwargs = dict(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        ffn_hidden_size=ffn_hidden_size,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size()
+        if parallel_state.model_parallel_is_initialized()
+        else 1,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt(
+    config: TransformerConfig,
+    *,
+    vocab_size: int,
+    seq_length: int,
+    spec: Optional[ModuleSpec] = None,
+    seed: int = 0,
+    position_embedding_type: str = "rope",
+) -> GPTModel:
+    """A GPTModel with `spec` (default: the MeCeFO spec for config.normalization), seeded."""
+    if spec is None:
+        spec = get_gpt_layer_mecefo_spec(normalization=config.normalization)
+    torch.manual_seed(seed)  # CPU initialisation draws from the default generator
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=seq_length,
+        position_embedding_type=position_embedding_type,
+    )
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return model
