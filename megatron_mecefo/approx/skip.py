@@ -40,6 +40,8 @@ def forward_with_residual_grad(block: Callable[..., Any], x: torch.Tensor, *args
         out = block(x, *args, **kwargs)
     if not (x.requires_grad and torch.is_grad_enabled()):
         return out
+    # detach: a block may re-enable grad inside (Megatron's bias-dropout-add runs under
+    # torch.enable_grad), which would leave a stray graph edge from x through the residual add.
     if isinstance(out, tuple):
-        return (ResidualOnlyGrad.apply(out[0], x),) + tuple(out[1:])
-    return ResidualOnlyGrad.apply(out, x)
+        return (ResidualOnlyGrad.apply(out[0].detach(), x),) + tuple(out[1:])
+    return ResidualOnlyGrad.apply(out.detach(), x)
