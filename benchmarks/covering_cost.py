@@ -33,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,6 +41,11 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# megatron-core's import-time notices about optional CUDA extensions (apex, Transformer Engine)
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed", category=UserWarning)
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
 
 from megatron_mecefo import MeCeFOConfig, covering  # noqa: E402
 from megatron_mecefo.approx import CoverPolicy  # noqa: E402
