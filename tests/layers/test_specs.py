@@ -13,7 +13,7 @@ from megatron_mecefo.layers import (
     to_mecefo_spec,
 )
 from megatron_mecefo.layers.model import build_gpt, llama_config
-from megatron_mecefo.params import GradGroup, grad_group
+from megatron_mecefo.params import GradGroup, grad_group, split_by_group
 from tests.helpers import SEQ, TINY, VOCAB
 
 
@@ -63,6 +63,9 @@ def test_attention_parameters_are_tagged(megatron_world):
         for s in ("input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight")
     )
     assert mha == expected
+    groups = split_by_group(model.named_parameters())
+    assert sorted(n for n, _ in groups[GradGroup.MHA]) == expected
+    assert len(groups[GradGroup.DEFAULT]) == len(list(model.parameters())) - len(expected)
 
 
 def test_refuses_moe_and_non_local_linears(megatron_world):
