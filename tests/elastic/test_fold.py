@@ -1,0 +1,62 @@
+import itertools
+
+import pytest
+
+from megatron_mecefo.elastic.fold import MicroBatch, fold_neighbor, sample_range
+from megatron_mecefo.elastic.topology import Grid, plan_cover
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("dp, live", [(4, [0, 1, 2, 3]), (4, [0, 1, 3]), (4, [0, 3]), (5, [1, 2, 4]), (3, [2, 0])])
+@pytest.mark.parametrize("k", [1, 3])
+def test_every_micro_batch_exactly_once(dp, live, k):
+    fold = fold_neighbor(plan_cover(Grid(dp=dp), live), k)
+    assert fold.all_micro_batches() == sorted(itertools.product(range(dp), range(k)))
+    assert fold.divisor == dp * k
+
+
+def test_covering_replica_runs_own_then_adopted_in_covering_mode():
+    fold = fold_neighbor(plan_cover(Grid(dp=4), [0, 1, 3]), 2)
+    assert fold.micro_batches(3) == (
+        MicroBatch(3, 0, True), MicroBatch(3, 1, True), MicroBatch(2, 0, True), MicroBatch(2, 1, True),
+    )
+    assert fold.micro_batches(0) == (MicroBatch(0, 0, False), MicroBatch(0, 1, False))
+    # attention: only the 4 micro-batches of replicas 0 and 1 have an exact attention backward
+    assert fold.divisor_mha == 4
+
+
+def test_adopted_only_and_none_modes():
+    plan = plan_cover(Grid(dp=4), [0, 1, 3])
+    adopted = fold_neighbor(plan, 2, approximate="adopted")
+    assert [m.covering for m in adopted.micro_batches(3)] == [False, False, True, True]
+    assert adopted.divisor_mha == 6
+    none = fold_neighbor(plan, 2, approximate="none")
+    assert not any(m.covering for mbs in none.assignments.values() for m in mbs)
+    assert none.divisor_mha == none.divisor == 8
+    # covering mode without the attention skip: attention gradients from every micro-batch
+    assert fold_neighbor(plan, 2, skip_attention=False).divisor_mha == 8
+
+
+def test_fault_free_fold_is_plain_data_parallel():
+    fold = fold_neighbor(plan_cover(Grid(dp=3), range(3)), 2)
+    assert fold.divisor == fold.divisor_mha == 6
+    assert all(len(m) == 2 and not any(x.covering for x in m) for m in fold.assignments.values())
+
+
+def test_sample_ranges_tile_the_global_batch():
+    dp, k, mb = 3, 2, 4
+    seen = []
+    for step in range(3):
+        for d in range(dp):
+            for j in range(k):
+                seen.extend(sample_range(step, d, j, micro_batch_size=mb, dp=dp, k=k))
+    assert sorted(seen) == list(range(3 * dp * k * mb))
+
+
+def test_invalid_arguments():
+    plan = plan_cover(Grid(dp=2), [0, 1])
+    with pytest.raises(ValueError, match="approximate"):
+        fold_neighbor(plan, 1, approximate="some")
+    with pytest.raises(ValueError, match="micro_batches_per_replica"):
+        fold_neighbor(plan, 0)
