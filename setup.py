@@ -21,6 +21,7 @@ setup(
         "megatron-core>=0.16.1",
         "deepspeed>=0.19.4",
     ],
+    entry_points={"console_scripts": ["mecefo-launch=megatron_mecefo.elastic.launch:main"]},
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
         "bench": ["matplotlib>=3.8"],

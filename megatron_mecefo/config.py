@@ -17,6 +17,8 @@ from megatron_mecefo.approx.mode import SVD_METHODS, CoverPolicy
 __all__ = ["MeCeFOConfig", "RECOMPUTE_CHOICES", "APPROXIMATE_CHOICES"]
 
 RECOMPUTE_CHOICES = ("auto", "always", "never")
+INJECT_KINDS = ("kill", "hang")
+INJECT_PHASES = ("forward", "backward", "allreduce", "optimizer")
 APPROXIMATE_CHOICES = ("all", "adopted")
 
 
@@ -53,6 +55,23 @@ class MeCeFOConfig:
     """Which micro-batches of a covering rank run in covering mode: "all" (its own and the adopted
     ones; the paper's rule, attention gradients averaged over non-covering ranks only) or "adopted"
     (its own micro-batches stay exact)."""
+    collective_timeout_s: float = 60.0
+    """Timeout of the data-parallel collectives: a hung rank stalls the others at most this long.
+    Must exceed the longest normal wait at a collective (a covering rank's slower step)."""
+    heartbeat_interval_s: float = 0.5
+    """How often each rank bumps its heartbeat in the store."""
+    heartbeat_timeout_s: float = 5.0
+    """A rank whose heartbeat has not moved for this long is presumed failed (crash or hang)."""
+    agree_timeout_s: float = 120.0
+    """Survivors must agree on a new generation within this; must exceed collective_timeout_s."""
+    join_timeout_s: float = 600.0
+    """How long a restarted rank waits to be let back in."""
+    log_dir: Optional[str] = None
+    """Directory of the per-step and recovery-event JSONL logs (None: no files)."""
+    inject: tuple = ()
+    """Failure injection for tests and demos: a list of {"kind": "kill"|"hang", "rank": R,
+    "step": S, "phase": "forward"|"backward"|"allreduce"|"optimizer"}; fires in a rank's first
+    incarnation only. CLI: --mecefo-inject kill:RANK:STEP[:PHASE] (repeatable)."""
 
     def __post_init__(self) -> None:
         self._check_bool("enable", "skip_attention", "lowrank_ffn")
@@ -62,6 +81,21 @@ class MeCeFOConfig:
         self._check_choice("svd_method", SVD_METHODS)
         self._check_choice("recompute_ffn", RECOMPUTE_CHOICES)
         self._check_choice("approximate", APPROXIMATE_CHOICES)
+        for key in ("collective_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "agree_timeout_s", "join_timeout_s"):
+            self._check_positive(key)
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"{self._where('heartbeat_timeout_s')} must be at least twice heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), got {self.heartbeat_timeout_s}"
+            )
+        if self.agree_timeout_s <= self.collective_timeout_s:
+            raise ValueError(
+                f"{self._where('agree_timeout_s')} must exceed collective_timeout_s ({self.collective_timeout_s}): "
+                f"survivors wait for peers still blocked in a collective; got {self.agree_timeout_s}"
+            )
+        if self.log_dir is not None and not isinstance(self.log_dir, str):
+            raise ValueError(f"{self._where('log_dir')} must be a path string, got {self.log_dir!r}")
+        self.inject = tuple(self._parse_inject(self.inject))
 
     # -- validation -------------------------------------------------------------------------------
 
@@ -79,6 +113,43 @@ class MeCeFOConfig:
         value = getattr(self, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{self._where(key)} must be an integer >= {low}, got {value!r}")
+
+    def _check_positive(self, key: str) -> None:
+        value = getattr(self, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{self._where(key)} must be a number > 0, got {value!r}")
+        setattr(self, key, float(value))
+
+    def _parse_inject(self, rules) -> list:
+        if isinstance(rules, (str, dict)):
+            rules = [rules]
+        out = []
+        for rule in rules:
+            if isinstance(rule, str):  # CLI form kind:rank:step[:phase]
+                parts = rule.split(":")
+                if len(parts) not in (3, 4):
+                    raise ValueError(f"{self._where('inject')}: {rule!r} is not kind:rank:step[:phase]")
+                rule = dict(zip(("kind", "rank", "step", "phase"), parts))
+                try:
+                    rule["rank"], rule["step"] = int(rule["rank"]), int(rule["step"])
+                except ValueError:
+                    raise ValueError(f"{self._where('inject')}: rank and step of {parts} must be integers") from None
+            if not isinstance(rule, dict):
+                raise ValueError(f"{self._where('inject')} entries must be objects, got {rule!r}")
+            unknown = set(rule) - {"kind", "rank", "step", "phase"}
+            if unknown:
+                raise ValueError(f"{self._where('inject')}: unknown field(s) {sorted(unknown)} in {rule!r}")
+            rule = {"phase": "backward", **rule}
+            if rule.get("kind") not in INJECT_KINDS:
+                raise ValueError(f"{self._where('inject')}: kind must be one of {INJECT_KINDS}, got {rule.get('kind')!r}")
+            if rule["phase"] not in INJECT_PHASES:
+                raise ValueError(f"{self._where('inject')}: phase must be one of {INJECT_PHASES}, got {rule['phase']!r}")
+            for f in ("rank", "step"):
+                v = rule.get(f)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise ValueError(f"{self._where('inject')}: {f} must be an integer >= 0, got {v!r}")
+            out.append(rule)
+        return out
 
     def _check_choice(self, key: str, choices) -> None:
         value = getattr(self, key)
@@ -137,6 +208,14 @@ class MeCeFOConfig:
                        help="FFN recompute on covering micro-batches (auto)")
         g.add_argument("--mecefo-approximate", choices=APPROXIMATE_CHOICES, default=None,
                        help="covering-mode micro-batches of a covering rank (all)")
+        g.add_argument("--mecefo-collective-timeout-s", type=float, default=None, help="data-parallel collective timeout (60)")
+        g.add_argument("--mecefo-heartbeat-interval-s", type=float, default=None, help="heartbeat period (0.5)")
+        g.add_argument("--mecefo-heartbeat-timeout-s", type=float, default=None, help="presume failed after (5)")
+        g.add_argument("--mecefo-agree-timeout-s", type=float, default=None, help="agreement deadline (120)")
+        g.add_argument("--mecefo-join-timeout-s", type=float, default=None, help="rejoin deadline (600)")
+        g.add_argument("--mecefo-log-dir", default=None, help="directory of the JSONL logs")
+        g.add_argument("--mecefo-inject", action="append", default=None, metavar="KIND:RANK:STEP[:PHASE]",
+                       help="inject a failure: kill|hang rank RANK at step STEP in phase (backward)")
         return parser
 
     # -- use --------------------------------------------------------------------------------------

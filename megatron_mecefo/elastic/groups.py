@@ -1,0 +1,75 @@
+"""Data-parallel process groups, rebuilt among the members of each generation.
+
+Each generation gets a fresh group over `PrefixStore(f"mecefo/gen{g}/dp", store)`, so its
+rendezvous keys never collide with an earlier, broken one. Only members call `build_dp_group`;
+nothing else (tensor- or pipeline-parallel groups) is touched.
+
+gloo (CPU, tested): `ProcessGroupGloo(prefix_store, rank, size, timeout)`; the timeout bounds how
+long a hung peer can stall a collective. A broken group is aborted and dropped.
+
+NCCL (GPU; written per PyTorch's documented API, NOT exercised by CI): `ProcessGroupNCCL` with the
+same store prefix and `Options._timeout`; set TORCH_NCCL_ASYNC_ERROR_HANDLING to 2 (or 0) before
+CUDA initialisation so a failed communicator raises instead of tearing the process down (the
+default, 3, kills it), and call `abort()` on the broken group before building the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["build_dp_group", "destroy_group", "dense_rank"]
+
+logger = logging.getLogger(__name__)
+
+
+def dense_rank(members: Sequence[int], rank: int) -> int:
+    """Position of `rank` among the sorted members: its rank inside the generation's group."""
+    return sorted(members).index(rank)
+
+
+def build_dp_group(store: dist.Store, generation: int, members: Sequence[int], rank: int, timeout: timedelta,
+                   backend: str = "gloo"):
+    """The data-parallel group of `generation` over `members` (call on every member).
+
+    Returns:
+        A torch.distributed backend ProcessGroup (gloo or NCCL) of size len(members).
+    """
+    prefix = dist.PrefixStore(f"mecefo/gen{generation}/dp", store)
+    size, me = len(members), dense_rank(members, rank)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefix, me, size, timeout)
+    if backend == "nccl":  # untested here (no GPU in CI)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefix, me, size, opts)
+    raise ValueError(f"unsupported backend {backend!r} (gloo or nccl)")
+
+
+def destroy_group(group) -> None:
+    """Abort a (possibly broken) group so its sockets and threads go away."""
+    if group is None:
+        return
+    try:
+        group.abort()
+    except Exception as e:  # already broken: nothing more to release
+        logger.debug("abort of a broken group raised %s", e)
+
+
+def allreduce_sum_(group, tensor: torch.Tensor) -> None:
+    """In-place SUM all-reduce over `group`; raises on a peer failure or timeout."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    group.allreduce([tensor], opts).wait()
+
+
+def broadcast_(group, tensor: torch.Tensor, root: int) -> None:
+    """In-place broadcast from dense rank `root` over `group`."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    opts.rootTensor = 0
+    group.broadcast([tensor], opts).wait()

@@ -1,0 +1,60 @@
+"""Deterministic failure injection for tests, demos and benchmarks.
+
+`FaultInjector().kill_at(rank, step, phase).hang_at(rank, step, phase)` or
+`FaultInjector.from_rules(cfg.inject)`. The training loop (or the engine hook) calls
+`maybe_fire(step, phase)` at the phase boundaries forward | backward | allreduce | optimizer. A rule
+fires once, in the rank's first incarnation only (a restarted rank does not kill itself again):
+"kill" is SIGKILL (a crash), "hang" is SIGSTOP (alive but silent, heartbeat frozen).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Iterable, List, Mapping
+
+__all__ = ["FaultInjector", "PHASES"]
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("forward", "backward", "allreduce", "optimizer")
+
+
+class FaultInjector:
+    """Kill or hang this process at an exact (rank, step, phase)."""
+
+    def __init__(self, rank: int = 0, incarnation: int = 0) -> None:
+        self.rank = rank
+        self.incarnation = incarnation
+        self.rules: List[dict] = []
+
+    def _add(self, kind: str, rank: int, step: int, phase: str) -> "FaultInjector":
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        self.rules.append({"kind": kind, "rank": rank, "step": step, "phase": phase})
+        return self
+
+    def kill_at(self, rank: int, step: int, phase: str = "backward") -> "FaultInjector":
+        return self._add("kill", rank, step, phase)
+
+    def hang_at(self, rank: int, step: int, phase: str = "backward") -> "FaultInjector":
+        return self._add("hang", rank, step, phase)
+
+    @classmethod
+    def from_rules(cls, rules: Iterable[Mapping], rank: int, incarnation: int = 0) -> "FaultInjector":
+        inj = cls(rank, incarnation)
+        for r in rules:
+            inj._add(r["kind"], int(r["rank"]), int(r["step"]), r.get("phase", "backward"))
+        return inj
+
+    def maybe_fire(self, step: int, phase: str) -> None:
+        if self.incarnation != 0:
+            return
+        for rule in self.rules:
+            if (rule["rank"], rule["step"], rule["phase"]) == (self.rank, step, phase):
+                sig = signal.SIGKILL if rule["kind"] == "kill" else signal.SIGSTOP
+                msg = f"[mecefo inject] rank {self.rank}: {rule['kind']} at step {step} ({phase})"
+                print(msg, file=sys.stderr, flush=True)
+                os.kill(os.getpid(), sig)

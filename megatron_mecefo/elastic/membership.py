@@ -1,0 +1,238 @@
+"""Liveness, agreement on the members of each generation, and the per-step commit decision.
+
+Everything goes through a key-value store (a `torch.distributed.TCPStore` hosted by the launcher or
+a daemon, so any training rank may die) and is keyed by generation, so stale keys of an earlier
+generation never mislead a later one:
+
+* heartbeats  `hb/{rank}`: a counter each rank bumps from a thread. A rank is presumed failed when
+  its counter has not moved for `heartbeat_timeout_s` of the observer's own clock (no clock sync
+  needed); a SIGSTOPped rank's counter stops too.
+* agreement   `gen{g}/in/{rank}`, `gen{g}/plan`: survivors check in; once every previous member has
+  checked in or is presumed failed, the lowest live checked-in rank publishes the member list with
+  compare-and-set; everyone adopts the first published list. A failure during agreement only delays
+  it; the next generation starts over.
+* commit      `gen{g}/step{s}/vote/{rank}`, `.../decision`: each member votes ok/abort after its
+  gradient reduction; the lowest live member decides commit (all voted ok) or abort (any abort vote
+  or a member presumed failed) with compare-and-set, and everyone follows the one decision. A rank
+  that dies after the decision does not change it, so the optimizer step is all-or-nothing.
+* joins       `join/{rank}`, `joinee/{rank}`: a restarted rank announces itself; the decider names
+  the generation it will be admitted to at the next step boundary.
+
+It knows nothing of models or gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch.distributed as dist
+
+from megatron_mecefo.errors import AgreementTimeout, NotAMember
+
+__all__ = ["Membership", "Decision", "connect_store"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.02
+
+
+def connect_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A client connection to the job's store (hosted elsewhere)."""
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    commit: bool
+    joiners: tuple = ()
+    """Ranks to admit in the next generation (only with commit)."""
+    next_generation: Optional[int] = None
+
+
+class Membership:
+    """Store-backed liveness and agreement for one rank. Call `start()` once, `stop()` at exit.
+
+    Args:
+        store: this rank's store client (used from the training thread).
+        host, port: where to open the heartbeat thread's own connection.
+        rank: this rank's global rank (stable across generations and restarts).
+        heartbeat_interval_s, heartbeat_timeout_s, agree_timeout_s: see MeCeFOConfig.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        host: str,
+        port: int,
+        rank: int,
+        *,
+        heartbeat_interval_s: float,
+        heartbeat_timeout_s: float,
+        agree_timeout_s: float,
+    ) -> None:
+        self.store = store
+        self._host, self._port = host, port
+        self.rank = rank
+        self.hb_interval = heartbeat_interval_s
+        self.hb_timeout = heartbeat_timeout_s
+        self.agree_timeout = agree_timeout_s
+        self._seen: Dict[int, tuple] = {}  # rank -> (last counter, local time it last changed)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # -- heartbeats -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.store.add(f"hb/{self.rank}", 1)
+        self._thread = threading.Thread(target=self._beat, name=f"mecefo-heartbeat-{self.rank}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.hb_interval + 1)
+
+    def _beat(self) -> None:
+        store = connect_store(self._host, self._port, timedelta(seconds=max(10.0, self.hb_timeout)))
+        while not self._stop.wait(self.hb_interval):
+            try:
+                store.add(f"hb/{self.rank}", 1)
+            except Exception:  # the store is gone: the job is ending
+                return
+
+    def alive(self, ranks: Iterable[int]) -> List[int]:
+        """The ranks among `ranks` whose heartbeat moved within the last heartbeat_timeout_s.
+
+        A rank never seen before gets the benefit of the doubt for one timeout from the first look.
+        """
+        now = time.monotonic()
+        out = []
+        for r in ranks:
+            if r == self.rank:
+                out.append(r)
+                continue
+            value = self.store.add(f"hb/{r}", 0)
+            last = self._seen.get(r)
+            if last is None or last[0] != value:
+                self._seen[r] = (value, now)
+                out.append(r)
+            elif now - last[1] < self.hb_timeout:
+                out.append(r)
+        return out
+
+    # -- agreement --------------------------------------------------------------------------------
+
+    def agree(self, generation: int, candidates: Sequence[int]) -> List[int]:
+        """Agree with the other live candidates on the members of `generation`.
+
+        Call on every survivor (and admitted joiner) with the same `candidates`.
+
+        Returns:
+            The sorted member list, which contains this rank.
+
+        Raises:
+            AgreementTimeout: no member list within agree_timeout_s.
+            NotAMember: the agreed list leaves this rank out (it was presumed failed).
+        """
+        prefix = f"gen{generation}"
+        self.store.set(f"{prefix}/in/{self.rank}", "1")
+        deadline = time.monotonic() + self.agree_timeout
+        plan_key = f"{prefix}/plan"
+        candidates = sorted(set(candidates) | {self.rank})
+        while not self.store.check([plan_key]):
+            if time.monotonic() > deadline:
+                raise AgreementTimeout(
+                    f"[gen {generation} rank {self.rank}] no agreement on the survivors within "
+                    f"{self.agree_timeout:.0f} s (mecefo.agree_timeout_s)"
+                )
+            checked = [r for r in candidates if self.store.check([f"{prefix}/in/{r}"])]
+            live = set(self.alive(candidates))
+            pending = [r for r in candidates if r in live and r not in checked]
+            voters = [r for r in checked if r in live]
+            if not pending and voters and voters[0] == self.rank:
+                self.store.compare_set(plan_key, "", json.dumps(voters))
+            time.sleep(_POLL_S)
+        members = json.loads(self.store.get(plan_key))
+        if self.rank not in members:
+            raise NotAMember(
+                f"[gen {generation} rank {self.rank}] left out of generation {generation} (presumed failed; "
+                f"members {members}); this rank must stop"
+            )
+        return members
+
+    def members_of(self, generation: int) -> List[int]:
+        """The agreed members of an earlier generation."""
+        return json.loads(self.store.get(f"gen{generation}/plan"))
+
+    # -- commit -----------------------------------------------------------------------------------
+
+    def decide(self, generation: int, step: int, members: Sequence[int], ok: bool, world: int) -> Decision:
+        """Vote ok/abort for this step and return the one decision all members follow.
+
+        Call on every member once per step, after the gradient reduction and before the optimizer.
+        """
+        prefix = f"gen{generation}/step{step}"
+        self.store.set(f"{prefix}/vote/{self.rank}", "1" if ok else "0")
+        if not ok:
+            self.store.compare_set(f"{prefix}/decision", "", json.dumps({"commit": False}))
+        key = f"{prefix}/decision"
+        deadline = time.monotonic() + self.agree_timeout
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise AgreementTimeout(
+                    f"[gen {generation} rank {self.rank} step {step}] no commit decision within "
+                    f"{self.agree_timeout:.0f} s (mecefo.agree_timeout_s)"
+                )
+            live = self.alive(members)
+            if live and live[0] == self.rank:  # the decider: lowest live member
+                votes = {r: self.store.get(f"{prefix}/vote/{r}").decode() for r in members
+                         if self.store.check([f"{prefix}/vote/{r}"])}
+                if any(v == "0" for v in votes.values()) or len(live) < len(members):
+                    self.store.compare_set(key, "", json.dumps({"commit": False}))
+                elif len(votes) == len(members):
+                    joiners = self.pending_joiners(members, world)
+                    decision = {"commit": True, "joiners": joiners}
+                    if joiners:
+                        decision["next_generation"] = generation + 1
+                        candidates = sorted(set(members) | set(joiners))
+                        self.store.set(f"gen{generation + 1}/candidates", ",".join(map(str, candidates)))
+                    if self.store.compare_set(key, "", json.dumps(decision)).decode() == json.dumps(decision):
+                        for j in joiners:
+                            self.store.set(f"joinee/{j}", str(generation + 1))
+            time.sleep(_POLL_S)
+        d = json.loads(self.store.get(key))
+        return Decision(d["commit"], tuple(d.get("joiners", ())), d.get("next_generation"))
+
+    # -- joins ------------------------------------------------------------------------------------
+
+    def pending_joiners(self, members: Sequence[int], world: int) -> List[int]:
+        """Restarted ranks that announced themselves and are not members."""
+        out = []
+        for r in range(world):
+            if r in members:
+                continue
+            if self.store.check([f"join/{r}"]):
+                value = self.store.get(f"join/{r}").decode()
+                if value != "admitted":
+                    out.append(r)
+        return out
+
+    def request_join(self, timeout_s: float) -> int:
+        """Announce this restarted rank; return the generation it is admitted to."""
+        self.store.set(f"joinee/{self.rank}", "")
+        self.store.set(f"join/{self.rank}", "waiting")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = self.store.get(f"joinee/{self.rank}").decode()
+            if value:
+                self.store.set(f"join/{self.rank}", "admitted")
+                return int(value)
+            if time.monotonic() > deadline:
+                raise AgreementTimeout(f"[rank {self.rank}] not admitted within {timeout_s:.0f} s (mecefo.join_timeout_s)")
+            time.sleep(_POLL_S * 5)

@@ -1,0 +1,310 @@
+"""ElasticRuntime: the narrow protocol a training loop (or the DeepSpeed hook) drives each step.
+
+    rt = ElasticRuntime(cfg, rank=rank, world=world, store_host=..., store_port=..., micro_batches=k)
+    step = rt.start()                        # first incarnation: 0; a restarted rank: where peers are
+    while step < train_iters:
+        rt.begin_step(step)
+        plan = rt.plan()                     # my micro-batches (+ adopted ones), covering flags
+        for mb in plan.micro_batches: forward/backward (covering mode where mb.covering)
+        stats = rt.reduce_gradients(params, stats=[loss_sum, n_samples])
+        if rt.commit():                      # the single agreement point of the step
+            optimizer.step(); step += 1
+        # else: a peer failed; the survivors regrouped; redo the same step (gradients are zeroed)
+
+Inside a step errors are latched (`report_error`), later collectives become no-ops, and `commit()`
+decides once for everybody: the optimizer step is taken by all members or by none, so replicas stay
+bit-identical. A failed step is redone whole by the new generation. Restarted ranks are admitted at
+step boundaries and receive the training state from a member (`set_state_hooks`).
+
+Scope: data parallelism (tp = pp = 1) over gloo; the topology and fold already handle (tp, pp, dp).
+It knows ranks and micro-batches, not layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from megatron_mecefo.config import MeCeFOConfig
+from megatron_mecefo.elastic import groups
+from megatron_mecefo.elastic.fold import Fold, FoldPolicy, MicroBatch, fold_neighbor
+from megatron_mecefo.elastic.inject import FaultInjector
+from megatron_mecefo.elastic.membership import Membership, connect_store
+from megatron_mecefo.elastic.topology import CoverPlan, Grid, plan_cover
+from megatron_mecefo.errors import MeCeFOError, NoCoverAvailable
+from megatron_mecefo.log import EventLog, RankPrefix
+from megatron_mecefo.params import GradGroup, grad_group
+
+__all__ = ["ElasticRuntime", "StepPlan"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What this rank does in the current step."""
+
+    step: int
+    generation: int
+    members: tuple
+    cover: CoverPlan
+    micro_batches: tuple
+    """This rank's MicroBatch list: own first, then adopted ones."""
+    divisor: int
+    divisor_mha: int
+
+    @property
+    def covering(self) -> bool:
+        return any(m.replica != self.micro_batches[0].replica for m in self.micro_batches)
+
+    @property
+    def degraded(self) -> bool:
+        return self.cover.degraded
+
+
+class ElasticRuntime:
+    """Fault-tolerant data-parallel step protocol for one rank (see the module docstring).
+
+    Args:
+        config: MeCeFOConfig (timeouts, approximation switches, injection, log_dir).
+        rank, world: this rank's global rank and the original world size.
+        store_host, store_port: the job's store, hosted outside the training ranks.
+        micro_batches: k, micro-batches per replica per step (gradient accumulation).
+        incarnation: 0 for the first start; > 0 for a restarted rank (it rejoins).
+        fold_policy: (plan, k, approximate=, skip_attention=) -> Fold.
+        backend: "gloo" (tested) or "nccl" (untested here).
+    """
+
+    def __init__(
+        self,
+        config: MeCeFOConfig,
+        *,
+        rank: int,
+        world: int,
+        store_host: str,
+        store_port: int,
+        micro_batches: int = 1,
+        incarnation: int = 0,
+        fold_policy: FoldPolicy = fold_neighbor,
+        injector: Optional[FaultInjector] = None,
+        backend: str = "gloo",
+    ) -> None:
+        self.cfg = config
+        self.rank, self.world = rank, world
+        self.grid = Grid(dp=world)
+        self.k = micro_batches
+        self.incarnation = incarnation
+        self.fold_policy = fold_policy
+        self.injector = injector or FaultInjector.from_rules(config.inject, rank, incarnation)
+        self.backend = backend
+        self._timeout = timedelta(seconds=config.collective_timeout_s)
+        self.store = connect_store(store_host, store_port, timedelta(seconds=config.agree_timeout_s))
+        self.membership = Membership(
+            self.store, store_host, store_port, rank,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
+            agree_timeout_s=config.agree_timeout_s,
+        )
+        self.generation = -1
+        self.members: List[int] = []
+        self.group = None
+        self.step = 0
+        self._error: Optional[BaseException] = None
+        self._error_time: Optional[float] = None
+        self._pending: Optional[tuple] = None  # (generation, candidates) to regroup into
+        self._cover: Optional[CoverPlan] = None
+        self._fold: Optional[Fold] = None
+        self._get_state: Optional[Callable[[], Dict[str, Any]]] = None
+        self._set_state: Optional[Callable[[Dict[str, Any]], None]] = None
+        self.log = RankPrefix(logger, lambda: {"generation": self.generation, "rank": self.rank, "step": self.step})
+        log_dir = config.log_dir
+        self.events = EventLog(os.path.join(log_dir, f"events_rank{rank}.jsonl") if log_dir else None, rank=rank)
+        self.steps_log = EventLog(os.path.join(log_dir, f"steps_rank{rank}.jsonl") if log_dir else None, rank=rank)
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    def set_state_hooks(self, get_state: Callable[[], Dict[str, Any]], set_state: Callable[[Dict[str, Any]], None]) -> None:
+        """How to read and restore the training state sent to a rejoining rank (model, optimizer,
+        scheduler, counters). Call before `start()`."""
+        self._get_state, self._set_state = get_state, set_state
+
+    def start(self) -> int:
+        """Join the job. Returns the step to train next (0 unless this rank rejoins)."""
+        self.membership.start()
+        if self.incarnation == 0:
+            self._regroup(0, list(range(self.world)))
+            return self.step
+        t0 = time.monotonic()
+        generation = self.membership.request_join(self.cfg.join_timeout_s)
+        candidates = [int(x) for x in self.store.get(f"gen{generation}/candidates").decode().split(",")]
+        self._regroup(generation, candidates)
+        self.events.write("rejoined", generation=generation, step=self.step, wait_s=time.monotonic() - t0)
+        self.log.info("rejoined at step %d", self.step)
+        return self.step
+
+    def close(self) -> None:
+        self.membership.stop()
+        groups.destroy_group(self.group)
+        self.group = None
+
+    # -- the step protocol ------------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> None:
+        """Start (or redo) `step`. Admits pending joiners first (a step boundary)."""
+        self.step = step
+        if self._pending is not None:
+            generation, candidates = self._pending
+            self._pending = None
+            self._regroup(generation, candidates)
+        self._error = None
+        self._error_time = None
+        self._t_step = time.monotonic()
+
+    def plan(self) -> StepPlan:
+        replica = self.grid.replica_of(self.rank)
+        return StepPlan(
+            step=self.step, generation=self.generation, members=tuple(self.members), cover=self._cover,
+            micro_batches=self._fold.micro_batches(replica),
+            divisor=self._fold.divisor, divisor_mha=self._fold.divisor_mha,
+        )
+
+    def report_error(self, error: BaseException) -> None:
+        """Latch a failure seen during the step; later collectives of the step are skipped."""
+        if self._error is None:
+            self._error, self._error_time = error, time.monotonic()
+            self.log.warning("peer failure detected: %s", str(error).splitlines()[0][:200])
+
+    def reduce_gradients(self, params: Iterable[torch.nn.Parameter], stats: Sequence[float] = ()) -> List[float]:
+        """All-reduce (SUM) the gradients of `params` over the members and apply MeCeFO's divisors.
+
+        Every rank must have SUMMED the gradients of its micro-batches (no averaging). `stats` are
+        summed along (e.g. loss sum, sample count) and returned; zeros if the step failed.
+        """
+        params = [p for p in params if p.requires_grad]
+        if self._error is not None:
+            return [0.0] * len(stats)
+        self.injector.maybe_fire(self.step, "allreduce")
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.detach().reshape(-1).float() for g in grads] + [torch.tensor(list(stats), dtype=torch.float32)])
+        try:
+            groups.allreduce_sum_(self.group, flat)
+        except Exception as e:  # gloo: connection closed / timed out
+            self.report_error(e)
+            return [0.0] * len(stats)
+        offset = 0
+        mha_div = self._fold.divisor_mha
+        for p, g in zip(params, grads):
+            n = g.numel()
+            if grad_group(p) is GradGroup.MHA:
+                scale = 1.0 / mha_div if mha_div else 0.0
+            else:
+                scale = 1.0 / self._fold.divisor
+            p.grad = (flat[offset:offset + n] * scale).view_as(p).to(p.dtype)
+            offset += n
+        return flat[offset:].tolist()
+
+    def commit(self, **record: Any) -> bool:
+        """Agree on this step. True: every member takes the optimizer step. False: a peer failed,
+        the survivors regrouped (a new generation), and the step must be redone.
+
+        Raises:
+            NoCoverAvailable: the failure cannot be absorbed (save a checkpoint and exit).
+        """
+        ok = self._error is None
+        decision = self.membership.decide(self.generation, self.step, self.members, ok, self.world)
+        if decision.commit:
+            if decision.joiners:
+                self._pending = (decision.next_generation, sorted(set(self.members) | set(decision.joiners)))
+            p = self.plan()
+            self.steps_log.write(
+                "step", step=self.step, generation=self.generation, live=list(self.members),
+                cover={str(k): v for k, v in self._cover.cover.items()}, degraded=self._cover.degraded,
+                micro_batches=[[m.replica, m.index, m.covering] for m in p.micro_batches],
+                step_time_s=time.monotonic() - self._t_step, **record,
+            )
+            return True
+        self._recover()
+        return False
+
+    # -- recovery ---------------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        t_detect = self._error_time or time.monotonic()
+        t0 = time.monotonic()
+        groups.destroy_group(self.group)
+        self.group = None
+        self.log.warning("step %d aborted; agreeing on survivors", self.step)
+        self._regroup(self.generation + 1, self.members, detected_at=t_detect, t_start=t0)
+
+    def _regroup(self, generation: int, candidates: Sequence[int], detected_at: Optional[float] = None,
+                 t_start: Optional[float] = None) -> None:
+        t0 = t_start or time.monotonic()
+        members = self.membership.agree(generation, candidates)
+        t_agreed = time.monotonic()
+        try:
+            cover = plan_cover(self.grid, members)
+        except NoCoverAvailable as e:
+            raise NoCoverAvailable(
+                f"[gen {generation} rank {self.rank} step {self.step}] {e}. Survivors: {members}. "
+                "Save a checkpoint and restart the job with the surviving nodes, or add nodes."
+            ) from None
+        self.group = groups.build_dp_group(self.store, generation, members, self.rank, self._timeout, self.backend)
+        self.generation, self.members, self._cover = generation, members, cover
+        approximate = self.cfg.approximate if self._approximations_on() else "none"
+        self._fold = self.fold_policy(cover, self.k, approximate=approximate, skip_attention=self.cfg.skip_attention)
+        previous = self.membership.members_of(generation - 1) if generation > 0 else members
+        joiners = [r for r in members if r not in previous]
+        if joiners:
+            self._transfer_state(joiners)
+        t_done = time.monotonic()
+        self.events.write(
+            "regroup", generation=generation, step=self.step, members=members,
+            cover={str(k): v for k, v in cover.cover.items()}, joiners=joiners,
+            detect_s=(t0 - detected_at) if detected_at else None,
+            agree_s=t_agreed - t0, regroup_s=t_done - t_agreed,
+        )
+        if generation > 0:
+            self.log.warning("generation %d: members %s, cover %s", generation, members, cover.cover or "none")
+
+    def _approximations_on(self) -> bool:
+        c = self.cfg
+        return c.enable and (c.skip_attention or c.lowrank_ffn or c.recompute_ffn == "always")
+
+    def _transfer_state(self, joiners: Sequence[int]) -> None:
+        """The lowest old member broadcasts the training state; joiners load it."""
+        donor = min(r for r in self.members if r not in joiners)
+        root = groups.dense_rank(self.members, donor)
+        if self.rank == donor:
+            buf = io.BytesIO()
+            state = {"step": self.step, "user": self._get_state() if self._get_state else None}
+            torch.save(state, buf)
+            payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        groups.broadcast_(self.group, size, root)
+        if self.rank != donor:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        groups.broadcast_(self.group, payload, root)
+        if self.rank in joiners:
+            state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+            self.step = state["step"]
+            if state["user"] is not None:
+                if self._set_state is None:
+                    raise MeCeFOError("a rejoining rank needs set_state_hooks() to load the training state")
+                self._set_state(state["user"])
+
+    # -- checkpointable state ---------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"generation": self.generation, "members": list(self.members), "step": self.step}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.step = int(state["step"])

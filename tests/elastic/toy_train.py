@@ -1,0 +1,127 @@
+"""A tiny data-parallel training job on ElasticRuntime, for the fault tests (not collected).
+
+Run under mecefo-launch:  mecefo-launch --nproc-per-node 3 --master-port 0 tests/elastic/toy_train.py --out DIR ...
+Reference (one process, no runtime, the whole global batch each step):  python tests/elastic/toy_train.py --reference --world 3 --out DIR
+
+Each step every live rank runs its micro-batches (own + adopted), sums their gradients, lets the
+runtime all-reduce and scale them, and takes an Adam step when the step commits. At the end each
+rank saves its parameters and optimizer state to DIR/final_rank{R}.pt.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+from megatron_mecefo.config import MeCeFOConfig
+from megatron_mecefo.elastic.fold import sample_range
+from megatron_mecefo.errors import NoCoverAvailable
+from megatron_mecefo.params import GradGroup, tag_parameters
+
+D = 8
+
+
+def make_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(D, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    tag_parameters(model[0], GradGroup.MHA)  # stands in for attention: its own divisor
+    return model
+
+
+def sample(i):
+    g = torch.Generator().manual_seed(1000 + i)
+    x = torch.randn(D, generator=g)
+    return x, torch.sin(x.sum()).reshape(1)
+
+
+def micro_batch_loss(model, ids):
+    xs, ys = zip(*(sample(i) for i in ids))
+    return torch.nn.functional.mse_loss(model(torch.stack(xs)), torch.stack(ys))
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--k", type=int, default=2, help="micro-batches per replica")
+    p.add_argument("--mb", type=int, default=4, help="samples per micro-batch")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--reference", action="store_true")
+    p.add_argument("--world", type=int, default=None)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of fake compute per micro-batch")
+    MeCeFOConfig.add_cli_args(p)
+    return p.parse_args()
+
+
+def reference(args):
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(args.steps):
+        opt.zero_grad()
+        n = args.world * args.k
+        for d in range(args.world):
+            for j in range(args.k):
+                ids = sample_range(step, d, j, micro_batch_size=args.mb, dp=args.world, k=args.k)
+                micro_batch_loss(model, ids).backward()
+        for p in model.parameters():
+            p.grad /= n
+        opt.step()
+    torch.save({"params": [p.detach() for p in model.parameters()], "opt": opt.state_dict()}, args.out / "reference.pt")
+
+
+def main():
+    args = parse()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.reference:
+        return reference(args)
+    from megatron_mecefo.elastic.runtime import ElasticRuntime
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cfg = MeCeFOConfig.from_args(args, {"log_dir": str(args.out)})
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    rt = ElasticRuntime(cfg, rank=rank, world=world, store_host=os.environ["MASTER_ADDR"],
+                        store_port=int(os.environ["MASTER_PORT"]), micro_batches=args.k,
+                        incarnation=int(os.environ.get("MECEFO_INCARNATION", "0")))
+    rt.set_state_hooks(lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
+                       lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"])))
+    try:
+        step = rt.start()
+        while step < args.steps:
+            rt.begin_step(step)
+            plan = rt.plan()
+            opt.zero_grad(set_to_none=True)
+            loss_sum, samples = 0.0, 0
+            for mb in plan.micro_batches:
+                ids = sample_range(step, mb.replica, mb.index, micro_batch_size=args.mb, dp=world, k=args.k)
+                rt.injector.maybe_fire(step, "forward")
+                loss = micro_batch_loss(model, ids)
+                rt.injector.maybe_fire(step, "backward")
+                loss.backward()
+                time.sleep(args.step_sleep)
+                loss_sum += loss.item()
+                samples += len(ids)
+            total_loss, total_samples = rt.reduce_gradients(model.parameters(), stats=[loss_sum, samples])
+            if rt.commit(loss=total_loss / plan.divisor, samples=int(total_samples)):
+                rt.injector.maybe_fire(step, "optimizer")
+                opt.step()
+                step += 1
+    except NoCoverAvailable as e:
+        torch.save({"params": [p.detach() for p in model.parameters()], "opt": opt.state_dict(), "step": step},
+                   args.out / f"checkpoint_rank{rank}.pt")
+        print(f"MeCeFO: cannot continue: {e}. Checkpoint saved to {args.out / f'checkpoint_rank{rank}.pt'}",
+              file=sys.stderr, flush=True)
+        rt.close()
+        sys.exit(3)
+    torch.save({"params": [p.detach() for p in model.parameters()], "opt": opt.state_dict(), "step": step,
+                "generation": rt.generation}, args.out / f"final_rank{rank}.pt")
+    rt.close()
+
+
+if __name__ == "__main__":
+    main()
