@@ -18,7 +18,7 @@ __all__ = ["MeCeFOConfig", "RECOMPUTE_CHOICES", "APPROXIMATE_CHOICES"]
 
 RECOMPUTE_CHOICES = ("auto", "always", "never")
 INJECT_KINDS = ("kill", "hang")
-INJECT_PHASES = ("forward", "backward", "allreduce", "optimizer")
+INJECT_PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery")
 APPROXIMATE_CHOICES = ("all", "adopted")
 
 
@@ -70,7 +70,7 @@ class MeCeFOConfig:
     """Directory of the per-step and recovery-event JSONL logs (None: no files)."""
     inject: tuple = ()
     """Failure injection for tests and demos: a list of {"kind": "kill"|"hang", "rank": R,
-    "step": S, "phase": "forward"|"backward"|"allreduce"|"optimizer"}; fires in a rank's first
+    "step": S, "phase": "forward"|"backward"|"allreduce"|"optimizer"|"recovery"}; fires in a rank's first
     incarnation only. CLI: --mecefo-inject kill:RANK:STEP[:PHASE] (repeatable)."""
 
     def __post_init__(self) -> None:

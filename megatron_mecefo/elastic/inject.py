@@ -2,7 +2,8 @@
 
 `FaultInjector().kill_at(rank, step, phase).hang_at(rank, step, phase)` or
 `FaultInjector.from_rules(cfg.inject)`. The training loop (or the engine hook) calls
-`maybe_fire(step, phase)` at the phase boundaries forward | backward | allreduce | optimizer. A rule
+`maybe_fire(step, phase)` at the phase boundaries forward | backward | allreduce | optimizer; the
+runtime itself fires "allreduce" and "recovery" (after checking in for a new generation). A rule
 fires once, in the rank's first incarnation only (a restarted rank does not kill itself again):
 "kill" is SIGKILL (a crash), "hang" is SIGSTOP (alive but silent, heartbeat frozen).
 """
@@ -19,7 +20,7 @@ __all__ = ["FaultInjector", "PHASES"]
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("forward", "backward", "allreduce", "optimizer")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery")
 
 
 class FaultInjector:

@@ -89,6 +89,15 @@ def main(argv=None) -> int:
     store = host_store("0.0.0.0" if args.nnodes > 1 else args.master_addr, args.master_port) if args.node_rank == 0 else None
     port = store.port if store is not None else args.master_port
     ranks = [_Rank(args.node_rank * args.nproc_per_node + i, i) for i in range(args.nproc_per_node)]
+    client = store if store is not None else dist.TCPStore(
+        args.master_addr, port, is_master=False, timeout=timedelta(seconds=300), wait_for_workers=False)
+
+    def report_exit(rank: int) -> None:
+        """Tell the survivors at once (membership reads `exited/{rank}`)."""
+        try:
+            client.set(f"exited/{rank}", "1")
+        except Exception as e:
+            logger.info("could not record the exit of rank %d in the store: %s", rank, e)
 
     def spawn(r: _Rank) -> None:
         env = dict(
@@ -125,6 +134,8 @@ def main(argv=None) -> int:
                 continue
             logger.info("rank %d (pid %d) ended: %s", r.rank, r.proc.pid, _describe(code))
             r.proc, r.final = None, code
+            if code != 0:
+                report_exit(r.rank)
             if code == 0:
                 ok_exits += 1
                 continue
@@ -141,6 +152,7 @@ def main(argv=None) -> int:
                 r.proc.kill()
                 r.proc.wait()
                 r.proc, r.final = None, -signal.SIGKILL
+                report_exit(r.rank)
         if not any(r.proc is not None or r.restart_at is not None for r in ranks):
             break
         time.sleep(0.1)

@@ -15,6 +15,8 @@ generation never mislead a later one:
   gradient reduction; the lowest live member decides commit (all voted ok) or abort (any abort vote
   or a member presumed failed) with compare-and-set, and everyone follows the one decision. A rank
   that dies after the decision does not change it, so the optimizer step is all-or-nothing.
+* exits       `exited/{rank}`: set by the launcher when a rank's process ends abnormally, so a
+  crash is known at once instead of after heartbeat_timeout_s.
 * joins       `join/{rank}`, `joinee/{rank}`: a restarted rank announces itself; the decider names
   the generation it will be admitted to at the next step boundary.
 
@@ -110,12 +112,15 @@ class Membership:
         """The ranks among `ranks` whose heartbeat moved within the last heartbeat_timeout_s.
 
         A rank never seen before gets the benefit of the doubt for one timeout from the first look.
+        A rank whose process the launcher saw exit (`exited/{rank}`) is dead at once.
         """
         now = time.monotonic()
         out = []
         for r in ranks:
             if r == self.rank:
                 out.append(r)
+                continue
+            if self.store.check([f"exited/{r}"]):
                 continue
             value = self.store.add(f"hb/{r}", 0)
             last = self._seen.get(r)
@@ -226,6 +231,8 @@ class Membership:
     def request_join(self, timeout_s: float) -> int:
         """Announce this restarted rank; return the generation it is admitted to."""
         self.store.set(f"joinee/{self.rank}", "")
+        self.store.delete_key(f"exited/{self.rank}")
+        self._seen.clear()
         self.store.set(f"join/{self.rank}", "waiting")
         deadline = time.monotonic() + timeout_s
         while True:

@@ -247,6 +247,8 @@ class ElasticRuntime:
                  t_start: Optional[float] = None) -> None:
         t0 = t_start or time.monotonic()
         members = self.membership.agree(generation, candidates)
+        if generation > 0:
+            self.injector.maybe_fire(self.step, "recovery")
         t_agreed = time.monotonic()
         try:
             cover = plan_cover(self.grid, members)
@@ -255,7 +257,12 @@ class ElasticRuntime:
                 f"[gen {generation} rank {self.rank} step {self.step}] {e}. Survivors: {members}. "
                 "Save a checkpoint and restart the job with the surviving nodes, or add nodes."
             ) from None
-        self.group = groups.build_dp_group(self.store, generation, members, self.rank, self._timeout, self.backend)
+        try:
+            self.group = groups.build_dp_group(self.store, generation, members, self.rank, self._timeout, self.backend)
+        except Exception as e:  # a member died after the agreement: try again without it
+            self.log.warning("generation %d could not form (%s); agreeing again", generation, str(e).splitlines()[0][:120])
+            self.generation, self.members = generation, members
+            return self._regroup(generation + 1, members, detected_at=detected_at, t_start=t0)
         self.generation, self.members, self._cover = generation, members, cover
         approximate = self.cfg.approximate if self._approximations_on() else "none"
         self._fold = self.fold_policy(cover, self.k, approximate=approximate, skip_attention=self.cfg.skip_attention)
