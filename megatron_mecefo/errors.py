@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["MeCeFOError", "RankFailure", "NoCoverAvailable", "AgreementTimeout", "NotAMember"]
+__all__ = ["MeCeFOError", "RankFailure", "NoCoverAvailable", "AgreementTimeout", "NotAMember", "JobFinished"]
 
 
 class MeCeFOError(RuntimeError):
@@ -23,3 +23,7 @@ class AgreementTimeout(MeCeFOError):
 
 class NotAMember(MeCeFOError):
     """This rank was left out of the agreed generation (it was presumed failed): it must stop."""
+
+
+class JobFinished(MeCeFOError):
+    """A restarted rank came back after training ended: nothing to rejoin; exit cleanly."""

@@ -16,8 +16,9 @@ default, 3, kills it), and call `abort()` on the broken group before building th
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,11 +61,32 @@ def destroy_group(group) -> None:
         logger.debug("abort of a broken group raised %s", e)
 
 
-def allreduce_sum_(group, tensor: torch.Tensor) -> None:
-    """In-place SUM all-reduce over `group`; raises on a peer failure or timeout."""
+class PeerAborted(RuntimeError):
+    """Another member gave up on the collective (it saw a failure first)."""
+
+
+def allreduce_sum_(group, tensor: torch.Tensor, should_abort: Optional[Callable[[], bool]] = None,
+                   poll_s: float = 0.05) -> None:
+    """In-place SUM all-reduce over `group`; raises on a peer failure or timeout.
+
+    With `should_abort`, the wait polls it every `poll_s`: a member whose peer already declared the
+    step failed stops waiting at once instead of after the group's timeout (a survivor that gave
+    up no longer feeds the collective, so without this the others would wait for the timeout).
+    """
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM
-    group.allreduce([tensor], opts).wait()
+    work = group.allreduce([tensor], opts)
+    if should_abort is None:
+        work.wait()
+        return
+    next_check = time.monotonic() + poll_s
+    while not work.is_completed():
+        if time.monotonic() >= next_check:
+            if should_abort():
+                raise PeerAborted("a peer declared this step failed")
+            next_check = time.monotonic() + poll_s
+        time.sleep(0.001)
+    work.wait()  # raises the collective's own error, if any
 
 
 def broadcast_(group, tensor: torch.Tensor, root: int) -> None:

@@ -35,7 +35,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_mecefo.errors import AgreementTimeout, NotAMember
+from megatron_mecefo.errors import AgreementTimeout, JobFinished, NotAMember
 
 __all__ = ["Membership", "Decision", "connect_store"]
 
@@ -240,6 +240,8 @@ class Membership:
             if value:
                 self.store.set(f"join/{self.rank}", "admitted")
                 return int(value)
+            if self.store.check(["job/finished"]):
+                raise JobFinished(f"[rank {self.rank}] the job finished before this rank could rejoin")
             if time.monotonic() > deadline:
                 raise AgreementTimeout(f"[rank {self.rank}] not admitted within {timeout_s:.0f} s (mecefo.join_timeout_s)")
             time.sleep(_POLL_S * 5)

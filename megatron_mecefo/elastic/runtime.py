@@ -149,7 +149,13 @@ class ElasticRuntime:
         self.log.info("rejoined at step %d", self.step)
         return self.step
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """Leave the job. `finished`: training is complete, so ranks still waiting to rejoin stop."""
+        if finished:
+            try:
+                self.store.set("job/finished", "1")
+            except Exception:
+                pass
         self.membership.stop()
         groups.destroy_group(self.group)
         self.group = None
@@ -194,8 +200,8 @@ class ElasticRuntime:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.detach().reshape(-1).float() for g in grads] + [torch.tensor(list(stats), dtype=torch.float32)])
         try:
-            groups.allreduce_sum_(self.group, flat)
-        except Exception as e:  # gloo: connection closed / timed out
+            groups.allreduce_sum_(self.group, flat, should_abort=self._step_aborted)
+        except Exception as e:  # gloo: connection closed / timed out; or a peer gave up first
             self.report_error(e)
             return [0.0] * len(stats)
         offset = 0
@@ -209,6 +215,9 @@ class ElasticRuntime:
             p.grad = (flat[offset:offset + n] * scale).view_as(p).to(p.dtype)
             offset += n
         return flat[offset:].tolist()
+
+    def _step_aborted(self) -> bool:
+        return self.store.check([f"gen{self.generation}/step{self.step}/decision"])
 
     def commit(self, **record: Any) -> bool:
         """Agree on this step. True: every member takes the optimizer step. False: a peer failed,

@@ -11,7 +11,6 @@ hosted by the launcher) and checks, from the files the ranks write:
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from tests.elastic import toy_train
+from tests.helpers import run_launcher
 
 pytestmark = [pytest.mark.dist, pytest.mark.fault]
 
@@ -38,7 +38,7 @@ def launch(out: Path, world: int, *extra: str, restart_after=None, timeout=150):
     cmd += [str(ROOT / "tests/elastic/toy_train.py"), "--out", str(out), "--steps", str(STEPS), "--k", str(K),
             "--mb", str(MB), *EXACT, *FAST, *extra]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = run_launcher(cmd, timeout)
     return proc, time.monotonic() - t0
 
 

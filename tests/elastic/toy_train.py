@@ -21,7 +21,7 @@ import torch
 
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic.fold import sample_range
-from megatron_mecefo.errors import NoCoverAvailable
+from megatron_mecefo.errors import JobFinished, NoCoverAvailable
 from megatron_mecefo.params import GradGroup, tag_parameters
 
 D = 8
@@ -111,6 +111,9 @@ def main():
                 rt.injector.maybe_fire(step, "optimizer")
                 opt.step()
                 step += 1
+    except JobFinished as e:
+        print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
+        return
     except NoCoverAvailable as e:
         torch.save({"params": [p.detach() for p in model.parameters()], "opt": opt.state_dict(), "step": step},
                    args.out / f"checkpoint_rank{rank}.pt")

@@ -1,0 +1,5 @@
+"""DeepSpeed integration: the only subpackage that imports deepspeed."""
+
+from megatron_mecefo.deepspeed_hook.engine import MeCeFOEngine, check_ds_config, init_distributed, initialize
+
+__all__ = ["MeCeFOEngine", "check_ds_config", "init_distributed", "initialize"]

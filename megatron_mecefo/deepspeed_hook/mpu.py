@@ -1,0 +1,27 @@
+"""The `mpu` object DeepSpeed expects, backed by Megatron-Core's parallel_state.
+
+DeepSpeed calls get_model_parallel_rank/world_size/group, which parallel_state does not have; they
+map to the tensor-parallel ones. The data-parallel accessors return the replica-local view (size 1
+under MeCeFO: data parallelism across replicas belongs to the MeCeFO runtime, see engine.py).
+"""
+
+from __future__ import annotations
+
+from megatron.core import parallel_state as ps
+
+__all__ = ["MegatronMPU"]
+
+
+class MegatronMPU:
+    get_model_parallel_rank = staticmethod(ps.get_tensor_model_parallel_rank)
+    get_model_parallel_world_size = staticmethod(ps.get_tensor_model_parallel_world_size)
+    get_model_parallel_group = staticmethod(ps.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_rank = staticmethod(ps.get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_world_size = staticmethod(ps.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_group = staticmethod(ps.get_tensor_model_parallel_group)
+    get_pipeline_model_parallel_rank = staticmethod(ps.get_pipeline_model_parallel_rank)
+    get_pipeline_model_parallel_world_size = staticmethod(ps.get_pipeline_model_parallel_world_size)
+    get_pipeline_model_parallel_group = staticmethod(ps.get_pipeline_model_parallel_group)
+    get_data_parallel_rank = staticmethod(ps.get_data_parallel_rank)
+    get_data_parallel_world_size = staticmethod(ps.get_data_parallel_world_size)
+    get_data_parallel_group = staticmethod(ps.get_data_parallel_group)

@@ -1,0 +1,103 @@
+"""The MeCeFO DeepSpeed hook with a tiny Megatron-Core GPT (MeCeFO spec), 3 real processes."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_mecefo.config import MeCeFOConfig
+from megatron_mecefo.deepspeed_hook import check_ds_config
+from tests.helpers import run_launcher
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["--mecefo-collective-timeout-s", "10", "--mecefo-heartbeat-interval-s", "0.2",
+        "--mecefo-heartbeat-timeout-s", "1.5", "--mecefo-agree-timeout-s", "40"]
+EXACT = ["--no-mecefo-skip-attention", "--no-mecefo-lowrank-ffn", "--mecefo-recompute-ffn", "never"]
+STEPS = 6
+
+
+def run(out, *extra, restart_after=None, world=3, steps=STEPS):
+    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(world), "--master-port", "0"]
+    if restart_after is not None:
+        cmd += ["--restart-failed-after", str(restart_after)]
+    cmd += [str(ROOT / "tests/deepspeed_hook/gpt_train.py"), "--out", str(out), "--steps", str(steps), *FAST, *extra]
+    proc = run_launcher(cmd, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def summaries(out, ranks):
+    return {r: json.loads((out / f"final_rank{r}.json").read_text()) for r in ranks}
+
+
+def steps(out, world=3):
+    recs = {}
+    for r in range(world):
+        p = out / f"steps_rank{r}.jsonl"
+        if p.exists():
+            for rec in map(json.loads, p.read_text().splitlines()):
+                recs.setdefault(rec["step"], []).append(rec)
+    return recs
+
+
+def check_accounting(out, world=3, k=2, n_steps=STEPS):
+    recs = steps(out, world)
+    assert sorted(recs) == list(range(n_steps))
+    for step, rs in recs.items():
+        mbs = sorted((m[0], m[1]) for r in rs for m in r["micro_batches"])
+        assert mbs == [(d, j) for d in range(world) for j in range(k)], (step, mbs)
+        assert all(r["samples"] == world * k * 2 for r in rs)
+    return recs
+
+
+pytestmark = [pytest.mark.dist]
+
+
+@pytest.mark.fault
+def test_kill_with_mecefo_covering(tmp_path):
+    run(tmp_path, "--mecefo-inject", "kill:1:2:backward")
+    s = summaries(tmp_path, [0, 2])
+    assert s[0]["steps"] == s[2]["steps"] == STEPS
+    assert s[0]["param_sha256"] == s[2]["param_sha256"] and s[0]["opt_sha256"] == s[2]["opt_sha256"]
+    assert torch.isfinite(torch.tensor(s[0]["last_loss"]))
+    recs = check_accounting(tmp_path)
+    covering = {r["rank"]: r for r in recs[STEPS - 1]}[2]
+    assert covering["cover"] == {"1": 2}
+    assert all(m[2] for m in covering["micro_batches"]), "the neighbour runs all its micro-batches in covering mode"
+
+
+@pytest.mark.fault
+def test_fold_is_exact_with_approximations_off(tmp_path):
+    run(tmp_path / "ff", *EXACT)
+    run(tmp_path / "kill", *EXACT, "--mecefo-inject", "kill:1:3:allreduce")
+    ref = torch.load(tmp_path / "ff" / "final_rank0.pt")
+    check_accounting(tmp_path / "kill")
+    for r in (0, 2):
+        got = torch.load(tmp_path / "kill" / f"final_rank{r}.pt")
+        for name in ref:
+            torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.fault
+def test_rejoin_restores_model_and_optimizer(tmp_path):
+    n = 14  # long enough (fake compute) for the restarted rank to import and come back
+    run(tmp_path, "--mecefo-inject", "kill:1:1:backward", "--step-sleep", "0.3", restart_after=0.5, steps=n)
+    s = summaries(tmp_path, [0, 1, 2])
+    assert all(v["steps"] == n for v in s.values())
+    assert len({v["param_sha256"] for v in s.values()}) == 1
+    assert len({v["opt_sha256"] for v in s.values()}) == 1
+    recs = check_accounting(tmp_path, n_steps=n)
+    assert sorted(r["rank"] for r in recs[2]) == [0, 2], "degraded after the crash"
+    assert sorted(r["rank"] for r in recs[n - 1]) == [0, 1, 2], "the restarted rank is back"
+    assert not any(r["degraded"] for r in recs[n - 1])
+
+
+def test_zero_stage_and_fp16_refused_before_training():
+    cfg = MeCeFOConfig(enable=True)
+    with pytest.raises(ValueError, match=r'"zero_optimization.stage"=1 is not supported with MeCeFO'):
+        check_ds_config({"zero_optimization": {"stage": 1}}, cfg)
+    with pytest.raises(ValueError, match="fp16"):
+        check_ds_config({"fp16": {"enabled": True}}, cfg)
+    check_ds_config({"zero_optimization": {"stage": 2}}, MeCeFOConfig(enable=False))  # plain training: untouched
