@@ -10,16 +10,46 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Any, Mapping, Optional
 
 from megatron_mecefo.approx.mode import SVD_METHODS, CoverPolicy
 
-__all__ = ["MeCeFOConfig", "RECOMPUTE_CHOICES", "APPROXIMATE_CHOICES"]
+__all__ = ["MeCeFOConfig", "LaunchEnv", "RECOMPUTE_CHOICES", "APPROXIMATE_CHOICES"]
 
 RECOMPUTE_CHOICES = ("auto", "always", "never")
 INJECT_KINDS = ("kill", "hang")
 INJECT_PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery")
 APPROXIMATE_CHOICES = ("all", "adopted")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher tells a rank through the environment (the only env reads of the package)."""
+
+    rank: int
+    world: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    incarnation: int
+    """0 on first start; restarts by mecefo-launch count up (the rank then rejoins)."""
+    mecefo_launcher: bool
+    """True under mecefo-launch (it hosts the store and keeps survivors alive)."""
+
+    @classmethod
+    def read(cls) -> "LaunchEnv":
+        env = os.environ
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_PORT") if k not in env]
+        if missing:
+            raise RuntimeError(
+                f"{', '.join(missing)} not set: start the job with mecefo-launch (or deepspeed / torchrun)"
+            )
+        return cls(
+            rank=int(env["RANK"]), world=int(env["WORLD_SIZE"]), local_rank=int(env.get("LOCAL_RANK", "0")),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env["MASTER_PORT"]),
+            incarnation=int(env.get("MECEFO_INCARNATION", "0")), mecefo_launcher=env.get("MECEFO_LAUNCHER") == "1",
+        )
 
 
 def _flag(key: str) -> str:

@@ -38,39 +38,32 @@ import torch
 import torch.distributed as dist
 
 from megatron_mecefo.approx import covering
-from megatron_mecefo.config import MeCeFOConfig
+from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.elastic.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
+from megatron_mecefo.elastic.store_daemon import spawn_store_daemon
 
 __all__ = ["initialize", "MeCeFOEngine", "init_distributed", "check_ds_config"]
 
 logger = logging.getLogger(__name__)
 
 
-def _env_int(name: str, default: Optional[int] = None) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        if default is None:
-            raise RuntimeError(f"{name} is not set: start the job with mecefo-launch (or deepspeed/torchrun)")
-        return default
-    return int(value)
-
-
-def init_distributed(backend: str = "gloo") -> Dict[str, Any]:
+def init_distributed(backend: str = "gloo") -> LaunchEnv:
     """Initialise torch.distributed over this rank's replica only (tp = pp = 1: a world of one).
 
-    Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (the job's store) from the launcher.
-    Returns the job coordinates the runtime needs.
+    Under mecefo-launch the job's store is the launcher's. Under another launcher (deepspeed,
+    torchrun) rank 0 starts a store daemon on MASTER_PORT that outlives every rank.
+    Returns the launch environment the runtime needs.
     """
-    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), _env_int("MASTER_PORT")
-    os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize asserts on it
+    env = LaunchEnv.read()
     if not dist.is_initialized():
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=300), wait_for_workers=False)
-        replica_store = dist.PrefixStore(f"mecefo/replica{rank}/inc{os.environ.get('MECEFO_INCARNATION', '0')}", store)
+        if not env.mecefo_launcher and env.rank == 0 and env.incarnation == 0:
+            spawn_store_daemon("0.0.0.0", env.master_port)
+        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=300),
+                              wait_for_workers=False)
+        replica_store = dist.PrefixStore(f"mecefo/replica{env.rank}/inc{env.incarnation}", store)
         dist.init_process_group(backend, store=replica_store, rank=0, world_size=1)
-    return {"rank": rank, "world": world, "host": host, "port": port,
-            "incarnation": _env_int("MECEFO_INCARNATION", 0)}
+    return env
 
 
 def check_ds_config(ds_config: Dict[str, Any], cfg: MeCeFOConfig) -> None:
@@ -216,7 +209,8 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
                      else MeCeFOConfig.from_ds_config(config.get("mecefo")))
     check_ds_config(config, cfg)
     job = init_distributed()
-    ds_config, k, mb = _replica_ds_config(config, job["world"])
+    os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize asserts on it
+    ds_config, k, mb = _replica_ds_config(config, job.world)
     if mpu is None:
         from megatron.core import parallel_state
 
@@ -230,8 +224,9 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
         model_parameters=model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad],
         **kwargs,
     )
-    runtime = ElasticRuntime(cfg, rank=job["rank"], world=job["world"], store_host=job["host"],
-                             store_port=job["port"], micro_batches=k, incarnation=job["incarnation"])
+    runtime = ElasticRuntime(cfg, rank=job.rank, world=job.world, store_host=job.master_addr,
+                             store_port=job.master_port, micro_batches=k, incarnation=job.incarnation,
+                             soft_failures=not job.mecefo_launcher)
 
     def get_state():
         return {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
@@ -247,6 +242,6 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
 
     runtime.set_state_hooks(get_state, set_state)
     step = runtime.start()
-    if step != engine.global_steps and job["incarnation"] == 0:
+    if step != engine.global_steps and job.incarnation == 0:
         raise RuntimeError(f"runtime step {step} != engine step {engine.global_steps}")
     return MeCeFOEngine(engine, runtime, cfg, mb)

@@ -6,6 +6,12 @@
 runtime itself fires "allreduce" and "recovery" (after checking in for a new generation). A rule
 fires once, in the rank's first incarnation only (a restarted rank does not kill itself again):
 "kill" is SIGKILL (a crash), "hang" is SIGSTOP (alive but silent, heartbeat frozen).
+
+Under a launcher that kills every rank when one exits non-zero (the `deepspeed` launcher), the
+injector is built with `soft=True`: "kill" ends the process at once with status 0 (`os._exit`, no
+cleanup: peers see the same closed connections as after a crash) and "hang" stops the heartbeat
+and blocks until the job has finished, then exits 0. Survivors recover exactly as from the real
+thing; the launcher leaves them running.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery")
 class FaultInjector:
     """Kill or hang this process at an exact (rank, step, phase)."""
 
-    def __init__(self, rank: int = 0, incarnation: int = 0) -> None:
+    def __init__(self, rank: int = 0, incarnation: int = 0, soft: bool = False) -> None:
         self.rank = rank
         self.incarnation = incarnation
+        self.soft = soft
         self.rules: List[dict] = []
+        self.on_soft_hang = None  # set by the runtime: stop heartbeats, wait for the job's end
 
     def _add(self, kind: str, rank: int, step: int, phase: str) -> "FaultInjector":
         if phase not in PHASES:
@@ -44,8 +52,8 @@ class FaultInjector:
         return self._add("hang", rank, step, phase)
 
     @classmethod
-    def from_rules(cls, rules: Iterable[Mapping], rank: int, incarnation: int = 0) -> "FaultInjector":
-        inj = cls(rank, incarnation)
+    def from_rules(cls, rules: Iterable[Mapping], rank: int, incarnation: int = 0, soft: bool = False) -> "FaultInjector":
+        inj = cls(rank, incarnation, soft)
         for r in rules:
             inj._add(r["kind"], int(r["rank"]), int(r["step"]), r.get("phase", "backward"))
         return inj
@@ -55,7 +63,10 @@ class FaultInjector:
             return
         for rule in self.rules:
             if (rule["rank"], rule["step"], rule["phase"]) == (self.rank, step, phase):
-                sig = signal.SIGKILL if rule["kind"] == "kill" else signal.SIGSTOP
                 msg = f"[mecefo inject] rank {self.rank}: {rule['kind']} at step {step} ({phase})"
                 print(msg, file=sys.stderr, flush=True)
-                os.kill(os.getpid(), sig)
+                if self.soft:
+                    if rule["kind"] == "hang" and self.on_soft_hang is not None:
+                        self.on_soft_hang()
+                    os._exit(0)
+                os.kill(os.getpid(), signal.SIGKILL if rule["kind"] == "kill" else signal.SIGSTOP)

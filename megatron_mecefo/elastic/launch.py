@@ -10,7 +10,7 @@ MECEFO_INCARNATION > 0) and rejoins at a step boundary.
 The store (a TCPStore) lives in this process on node 0, so any training rank may die without
 taking the rendezvous with it. Ranks get RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT (the store; TORCHELASTIC_USE_AGENT_STORE=1 makes torch's env:// init
-connect to it as a client) and MECEFO_INCARNATION.
+connect to it as a client), MECEFO_INCARNATION and MECEFO_LAUNCHER=1.
 
 Exit status: 0 when every rank that ended on its own ended with 0 and at least one did; ranks
 killed by a signal (crashes absorbed by MeCeFO) do not count; otherwise the first non-zero code.
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         env = dict(
             os.environ, RANK=str(r.rank), LOCAL_RANK=str(r.local_rank), WORLD_SIZE=str(world),
             LOCAL_WORLD_SIZE=str(args.nproc_per_node), MASTER_ADDR=args.master_addr, MASTER_PORT=str(port),
-            TORCHELASTIC_USE_AGENT_STORE="1", MECEFO_INCARNATION=str(r.incarnation),
+            TORCHELASTIC_USE_AGENT_STORE="1", MECEFO_INCARNATION=str(r.incarnation), MECEFO_LAUNCHER="1",
         )
         r.proc = subprocess.Popen([sys.executable, "-u", args.script, *args.script_args], env=env)
         logger.info("rank %d started (pid %d, incarnation %d)", r.rank, r.proc.pid, r.incarnation)

@@ -80,6 +80,8 @@ class ElasticRuntime:
         incarnation: 0 for the first start; > 0 for a restarted rank (it rejoins).
         fold_policy: (plan, k, approximate=, skip_attention=) -> Fold.
         backend: "gloo" (tested) or "nccl" (untested here).
+        soft_failures: injected failures exit with status 0 (for launchers that kill every rank
+            when one fails; see inject.py).
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class ElasticRuntime:
         fold_policy: FoldPolicy = fold_neighbor,
         injector: Optional[FaultInjector] = None,
         backend: str = "gloo",
+        soft_failures: bool = False,
     ) -> None:
         self.cfg = config
         self.rank, self.world = rank, world
@@ -102,7 +105,8 @@ class ElasticRuntime:
         self.k = micro_batches
         self.incarnation = incarnation
         self.fold_policy = fold_policy
-        self.injector = injector or FaultInjector.from_rules(config.inject, rank, incarnation)
+        self.injector = injector or FaultInjector.from_rules(config.inject, rank, incarnation, soft=soft_failures)
+        self.injector.on_soft_hang = self._soft_hang
         self.backend = backend
         self._timeout = timedelta(seconds=config.collective_timeout_s)
         self.store = connect_store(store_host, store_port, timedelta(seconds=config.agree_timeout_s))
@@ -137,6 +141,8 @@ class ElasticRuntime:
 
     def start(self) -> int:
         """Join the job. Returns the step to train next (0 unless this rank rejoins)."""
+        self.store.add("mecefo/world", 0)
+        self.store.compare_set("mecefo/world", "0", str(self.world))
         self.membership.start()
         if self.incarnation == 0:
             self._regroup(0, list(range(self.world)))
@@ -148,6 +154,13 @@ class ElasticRuntime:
         self.events.write("rejoined", generation=generation, step=self.step, wait_s=time.monotonic() - t0)
         self.log.info("rejoined at step %d", self.step)
         return self.step
+
+    def _soft_hang(self) -> None:
+        """An injected hang under a foreign launcher: go silent until the job ends."""
+        self.membership.stop()
+        deadline = time.monotonic() + self.cfg.join_timeout_s
+        while not self.store.check(["job/finished"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
 
     def close(self, finished: bool = True) -> None:
         """Leave the job. `finished`: training is complete, so ranks still waiting to rejoin stop."""
@@ -180,6 +193,10 @@ class ElasticRuntime:
             micro_batches=self._fold.micro_batches(replica),
             divisor=self._fold.divisor, divisor_mha=self._fold.divisor_mha,
         )
+
+    def plan_cover(self) -> CoverPlan:
+        """The current generation's cover plan."""
+        return self._cover
 
     def report_error(self, error: BaseException) -> None:
         """Latch a failure seen during the step; later collectives of the step are skipped."""

@@ -22,7 +22,7 @@ def run(out, *extra, restart_after=None, world=3, steps=STEPS):
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(world), "--master-port", "0"]
     if restart_after is not None:
         cmd += ["--restart-failed-after", str(restart_after)]
-    cmd += [str(ROOT / "tests/deepspeed_hook/gpt_train.py"), "--out", str(out), "--steps", str(steps), *FAST, *extra]
+    cmd += [str(ROOT / "examples/tiny_gpt/train.py"), "--out", str(out), "--steps", str(steps), *FAST, *extra]
     proc = run_launcher(cmd, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
@@ -101,3 +101,23 @@ def test_zero_stage_and_fp16_refused_before_training():
     with pytest.raises(ValueError, match="fp16"):
         check_ds_config({"fp16": {"enabled": True}}, cfg)
     check_ds_config({"zero_optimization": {"stage": 2}}, MeCeFOConfig(enable=False))  # plain training: untouched
+
+
+@pytest.mark.fault
+def test_under_the_deepspeed_launcher(tmp_path):
+    """`deepspeed` kills every rank when one exits non-zero: the injected kill exits 0 there, the
+    store lives in a daemon started by rank 0, and the survivors carry on."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    deepspeed_bin = Path(sys.executable).parent / "deepspeed"
+    cmd = [str(deepspeed_bin), "--num_gpus", "3", "--master_port", str(port), str(ROOT / "examples/tiny_gpt/train.py"),
+           "--out", str(tmp_path), "--steps", str(STEPS), *FAST, "--mecefo-inject", "kill:1:2:backward"]
+    proc = run_launcher(cmd, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    s = summaries(tmp_path, [0, 2])
+    assert s[0]["param_sha256"] == s[2]["param_sha256"] and s[0]["steps"] == STEPS
+    assert not (tmp_path / "final_rank1.json").exists()
+    check_accounting(tmp_path)

@@ -1,8 +1,18 @@
-"""A tiny Megatron-Core GPT (MeCeFO spec) trained in a DeepSpeed engine with the MeCeFO hook.
+"""The smallest MeCeFO job: a LLaMA-style Megatron-Core GPT in a DeepSpeed engine, on CPU.
 
-Run under mecefo-launch by test_engine.py (not collected). Data: micro-batch `index` of replica
-`replica` at step s holds samples sample_range(s, replica, index); sample i's tokens come from a
-generator seeded with i, so every rank can build any micro-batch.
+    # 4 ranks, rank 1 killed at step 8 and restarted 5 s later (it rejoins):
+    mecefo-launch --nproc-per-node 4 --restart-failed-after 5 examples/tiny_gpt/train.py \
+        --steps 40 --out runs/tiny --mecefo-inject kill:1:8:backward
+    # the same under DeepSpeed's launcher (an injected kill exits with status 0 there, see README):
+    deepspeed --num_gpus 4 examples/tiny_gpt/train.py --steps 40 --out runs/tiny --mecefo-inject kill:1:8
+    # plain training, no MeCeFO:
+    mecefo-launch --nproc-per-node 4 examples/tiny_gpt/train.py --steps 40 --out runs/plain --no-mecefo
+
+The training loop is DeepSpeed's, with one change: the micro-batches come from
+`engine.micro_batches()` (a covering rank also gets a failed neighbour's). Data: micro-batch
+`index` of replica `replica` at step s holds samples sample_range(s, replica, index) of a synthetic
+token stream (sample i drawn from a generator seeded with i), so any rank can build any micro-batch.
+Writes DIR/steps_rank*.jsonl, DIR/events_rank*.jsonl and DIR/final_rank*.{pt,json}.
 """
 
 import argparse
@@ -37,9 +47,25 @@ def batch(ids):
     return tokens, torch.arange(SEQ).expand(len(ids), SEQ), labels
 
 
+def log_iteration(engine, total, t_last):
+    """A Megatron-style line, printed by the lowest live rank (so logs go on if rank 0 fails)."""
+    rt = engine.runtime
+    if rt.rank != min(rt.members):
+        return
+    cover = ", ".join(f"{f}->{c}" for f, c in sorted(rt.plan_cover().cover.items())) or "none"
+    print(
+        f" iteration {engine.global_steps:8d}/{total:8d} | consumed samples: {engine.global_steps * rt.world * rt.k * engine.micro_batch_size:10d}"
+        f" | elapsed time per iteration (ms): {1000 * (time.monotonic() - t_last):7.1f} | learning rate: {engine.get_lr()[0]:.3E}"
+        f" | lm loss: {engine.last_loss:.6E} | mecefo: gen {rt.generation} live {len(rt.members)}/{rt.world} cover {cover} |",
+        flush=True,
+    )
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--no-mecefo", action="store_true", help="plain DeepSpeed training (MeCeFO off)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=0, help="set by the deepspeed launcher")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of fake compute per micro-batch")
     MeCeFOConfig.add_cli_args(p)
@@ -57,11 +83,12 @@ def main():
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
         "zero_optimization": {"stage": 0},
         "steps_per_print": 10_000,
-        "mecefo": {"enable": True, "rank": 8, "tau": 2, "log_dir": str(args.out)},
+        "mecefo": {"enable": not args.no_mecefo, "rank": 8, "tau": 2, "log_dir": str(args.out)},
     }
     try:
         engine = initialize(model=model, config=ds_config, args=args)
-        world, k, mb_size = job["world"], engine.runtime.k, engine.micro_batch_size
+        world, k, mb_size = job.world, engine.runtime.k, engine.micro_batch_size
+        t_last = time.monotonic()
         while engine.global_steps < args.steps:
             for mb in engine.micro_batches():
                 step = engine.global_steps
@@ -69,7 +96,9 @@ def main():
                 loss = engine(tokens, pos, None, labels=labels).float().mean()
                 engine.backward(loss)
                 time.sleep(args.step_sleep)
-                engine.step()
+                if engine.step():
+                    log_iteration(engine, args.steps, t_last)
+                    t_last = time.monotonic()
     except NoCoverAvailable as e:
         print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
         sys.exit(3)
@@ -80,8 +109,8 @@ def main():
     digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in params.values())).hexdigest()
     opt = engine.optimizer.state_dict()["state"]
     opt_digest = hashlib.sha256(b"".join(v[key].numpy().tobytes() for v in opt.values() for key in ("exp_avg", "exp_avg_sq"))).hexdigest()
-    torch.save(params, args.out / f"final_rank{job['rank']}.pt")
-    (args.out / f"final_rank{job['rank']}.json").write_text(json.dumps(
+    torch.save(params, args.out / f"final_rank{job.rank}.pt")
+    (args.out / f"final_rank{job.rank}.json").write_text(json.dumps(
         {"steps": engine.global_steps, "param_sha256": digest, "opt_sha256": opt_digest, "last_loss": engine.last_loss}))
     engine.close()
 
