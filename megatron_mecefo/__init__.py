@@ -11,6 +11,10 @@ Public API (imported lazily, so `import megatron_mecefo.approx` does not pull in
     check_lowrank_rank           validate the rank against a model's FFN weights
     LowRankProjector, lowrank_linear   the low-rank weight-gradient math
     GradGroup, grad_group        attention vs other parameters, for gradient averaging
+    ElasticRuntime               the fault-tolerant data-parallel step protocol
+    FaultInjector                kill / hang a rank at an exact (step, phase)
+
+The DeepSpeed integration is `megatron_mecefo.deepspeed_hook.initialize` (imports deepspeed).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ _EXPORTS = {
     "mecefo_gpt_layer_spec": "megatron_mecefo.layers.specs",
     "enable_cpu_support": "megatron_mecefo.layers.cpu",
     "check_lowrank_rank": "megatron_mecefo.layers.linear",
+    "ElasticRuntime": "megatron_mecefo.elastic.runtime",
+    "FaultInjector": "megatron_mecefo.elastic.inject",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,8 +1,27 @@
 #!/usr/bin/env bash
-# The main job for now: a covering rank vs a normal rank on a small LLaMA-style Megatron-Core GPT,
-# on CPU (sets up .venv on first use). Prints the table; writes JSON + PNG under benchmarks/results/.
-# Extra arguments go to benchmarks/covering_cost.py (e.g. drop --quick for the full-size run).
+# The main job: MeCeFO on CPU. 4 data-parallel ranks train a small LLaMA-style Megatron-Core GPT in
+# DeepSpeed engines; rank 1 is killed (SIGKILL) at step 60, its neighbour covers its micro-batches,
+# and it is restarted 6 s later and rejoins. Sets up .venv on first use. Writes runs/demo/
+# (per-step JSONL, recovery events, run.png). Extra arguments go to examples/tiny_gpt/train.py.
 set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/env.sh"
 cd "$ROOT"
-exec python benchmarks/covering_cost.py "${@:---quick}"
+OUT=runs/demo
+rm -rf "$OUT"
+export PYTHONWARNINGS=ignore
+mecefo-launch --nproc-per-node 4 --master-port 0 --restart-failed-after 6 examples/tiny_gpt/train.py \
+  --out "$OUT" --steps 300 --step-sleep 0.01 --log-interval 10 --mecefo-inject kill:1:60:backward "$@" 2>&1 \
+  | grep -v -E "^\[20[0-9-]+ [0-9:,]+\] \[(INFO|WARNING)\]|^\s*$"
+python examples/tiny_gpt/plot.py "$OUT"
+python - "$OUT" <<'PY'
+import json, sys, pathlib
+run = pathlib.Path(sys.argv[1])
+recs = {}
+for p in run.glob("steps_rank*.jsonl"):
+    for r in map(json.loads, p.read_text().splitlines()):
+        recs.setdefault(r["step"], []).append(r)
+bad = [s for s, rs in recs.items() if sorted((m[0], m[1]) for r in rs for m in r["micro_batches"]) != sorted((d, j) for d in range(4) for j in range(2))]
+deg = sum(any(r["degraded"] for r in rs) for rs in recs.values())
+print(f"{len(recs)} steps, {deg} degraded, every step consumed the whole global batch: {not bad}")
+PY
+echo "plot: $OUT/run.png"

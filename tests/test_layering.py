@@ -15,6 +15,9 @@ FORBIDDEN = {
     "megatron_mecefo.config": ("megatron", "deepspeed"),
     "megatron_mecefo.params": ("megatron", "deepspeed"),
     "megatron_mecefo.layers": ("deepspeed",),
+    "megatron_mecefo.elastic": ("megatron", "deepspeed", "megatron_mecefo.layers"),
+    "megatron_mecefo.elastic.runtime": ("megatron", "deepspeed", "megatron_mecefo.layers"),
+    "megatron_mecefo.elastic.launch": ("megatron", "deepspeed", "megatron_mecefo.layers"),
 }
 
 
@@ -35,3 +38,12 @@ def test_approx_imports_nothing_of_ours_outside_approx():
         for line in path.read_text().splitlines():
             if line.startswith(("import ", "from ")) and "megatron_mecefo" in line:
                 assert "megatron_mecefo.approx" in line, f"{path.name}: {line}"
+
+
+def test_only_deepspeed_hook_imports_deepspeed():
+    for path in (ROOT / "megatron_mecefo").rglob("*.py"):
+        if "deepspeed_hook" in path.parts:
+            continue
+        for line in path.read_text().splitlines():
+            stripped = line.strip()
+            assert not stripped.startswith(("import deepspeed", "from deepspeed")), f"{path}: {line}"

@@ -38,6 +38,7 @@ class FaultInjector:
         self.soft = soft
         self.rules: List[dict] = []
         self.on_soft_hang = None  # set by the runtime: stop heartbeats, wait for the job's end
+        self.events = None  # an EventLog: the firing time is recorded before the signal
 
     def _add(self, kind: str, rank: int, step: int, phase: str) -> "FaultInjector":
         if phase not in PHASES:
@@ -65,6 +66,8 @@ class FaultInjector:
             if (rule["rank"], rule["step"], rule["phase"]) == (self.rank, step, phase):
                 msg = f"[mecefo inject] rank {self.rank}: {rule['kind']} at step {step} ({phase})"
                 print(msg, file=sys.stderr, flush=True)
+                if self.events is not None:
+                    self.events.write("inject", kind=rule["kind"], step=step, phase=phase)
                 if self.soft:
                     if rule["kind"] == "hang" and self.on_soft_hang is not None:
                         self.on_soft_hang()

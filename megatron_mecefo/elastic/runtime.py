@@ -131,6 +131,7 @@ class ElasticRuntime:
         log_dir = config.log_dir
         self.events = EventLog(os.path.join(log_dir, f"events_rank{rank}.jsonl") if log_dir else None, rank=rank)
         self.steps_log = EventLog(os.path.join(log_dir, f"steps_rank{rank}.jsonl") if log_dir else None, rank=rank)
+        self.injector.events = self.events
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -201,7 +202,7 @@ class ElasticRuntime:
     def report_error(self, error: BaseException) -> None:
         """Latch a failure seen during the step; later collectives of the step are skipped."""
         if self._error is None:
-            self._error, self._error_time = error, time.monotonic()
+            self._error, self._error_time, self._error_wall = error, time.monotonic(), time.time()
             self.log.warning("peer failure detected: %s", str(error).splitlines()[0][:200])
 
     def reduce_gradients(self, params: Iterable[torch.nn.Parameter], stats: Sequence[float] = ()) -> List[float]:
@@ -263,6 +264,7 @@ class ElasticRuntime:
 
     def _recover(self) -> None:
         t_detect = self._error_time or time.monotonic()
+        self._detected_wall = getattr(self, "_error_wall", None) or time.time()
         t0 = time.monotonic()
         groups.destroy_group(self.group)
         self.group = None
@@ -297,10 +299,13 @@ class ElasticRuntime:
         if joiners:
             self._transfer_state(joiners)
         t_done = time.monotonic()
+        now = time.time()
         self.events.write(
             "regroup", generation=generation, step=self.step, members=members,
             cover={str(k): v for k, v in cover.cover.items()}, joiners=joiners,
-            detect_s=(t0 - detected_at) if detected_at else None,
+            detected_at=getattr(self, "_detected_wall", None) if detected_at else None,
+            agreed_at=now - (t_done - t_agreed), regrouped_at=now,
+            detect_to_recover_s=(t0 - detected_at) if detected_at else None,
             agree_s=t_agreed - t0, regroup_s=t_done - t_agreed,
         )
         if generation > 0:
