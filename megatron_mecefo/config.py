@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from typing import Any, Mapping, Optional
 
@@ -103,6 +104,12 @@ class MeCeFOConfig:
     "step": S, "phase": "forward"|"backward"|"allreduce"|"optimizer"|"recovery"}; fires in a rank's first
     incarnation only. CLI: --mecefo-inject kill:RANK:STEP[:PHASE] (repeatable)."""
 
+    trace: Optional[dict] = None
+    """Trace-driven failures: {"mtbf_steps": M, "recovery_steps": R, "seed": S} (job-wide mean steps
+    between failures, steps a failed rank stays down), or {"scenario": "low"|"medium"|"high",
+    "steps_per_hour": H, "seed": S} for the paper's rates (MTBF 2/1/0.5 h, recovery 4/3/2 h).
+    Needs mecefo-launch --restart-failed-after so failed ranks come back."""
+
     def __post_init__(self) -> None:
         self._check_bool("enable", "skip_attention", "lowrank_ffn")
         self._check_int_range("rank", 1)
@@ -126,6 +133,8 @@ class MeCeFOConfig:
         if self.log_dir is not None and not isinstance(self.log_dir, str):
             raise ValueError(f"{self._where('log_dir')} must be a path string, got {self.log_dir!r}")
         self.inject = tuple(self._parse_inject(self.inject))
+        if self.trace is not None:
+            self.trace = self._parse_trace(self.trace)
 
     # -- validation -------------------------------------------------------------------------------
 
@@ -149,6 +158,34 @@ class MeCeFOConfig:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{self._where(key)} must be a number > 0, got {value!r}")
         setattr(self, key, float(value))
+
+    def _parse_trace(self, trace) -> dict:
+        from megatron_mecefo.elastic.inject import PAPER_SCENARIOS
+
+        where = self._where("trace")
+        if not isinstance(trace, dict):
+            raise ValueError(f"{where} must be an object, got {trace!r}")
+        trace = dict(trace)
+        seed = trace.pop("seed", 0)
+        if "scenario" in trace:
+            scenario, per_hour = trace.pop("scenario"), trace.pop("steps_per_hour", None)
+            if scenario not in PAPER_SCENARIOS:
+                raise ValueError(f"{where}: scenario must be one of {tuple(PAPER_SCENARIOS)}, got {scenario!r}")
+            if isinstance(per_hour, bool) or not isinstance(per_hour, (int, float)) or per_hour <= 0:
+                raise ValueError(f"{where}: steps_per_hour must be a number > 0 with a scenario, got {per_hour!r}")
+            mtbf_h, recovery_h = PAPER_SCENARIOS[scenario]
+            trace.update(mtbf_steps=mtbf_h * per_hour, recovery_steps=max(1, round(recovery_h * per_hour)))
+        unknown = set(trace) - {"mtbf_steps", "recovery_steps"}
+        if unknown or not {"mtbf_steps", "recovery_steps"} <= set(trace):
+            raise ValueError(f'{where} needs "mtbf_steps" and "recovery_steps" (or "scenario" + "steps_per_hour"); got {sorted(trace)}')
+        m, r = trace["mtbf_steps"], trace["recovery_steps"]
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or m <= 0:
+            raise ValueError(f"{where}: mtbf_steps must be > 0, got {m!r}")
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"{where}: recovery_steps must be an integer >= 1, got {r!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"{where}: seed must be an integer, got {seed!r}")
+        return {"mtbf_steps": float(m), "recovery_steps": r, "seed": seed}
 
     def _parse_inject(self, rules) -> list:
         if isinstance(rules, (str, dict)):
@@ -246,6 +283,8 @@ class MeCeFOConfig:
         g.add_argument("--mecefo-log-dir", default=None, help="directory of the JSONL logs")
         g.add_argument("--mecefo-inject", action="append", default=None, metavar="KIND:RANK:STEP[:PHASE]",
                        help="inject a failure: kill|hang rank RANK at step STEP in phase (backward)")
+        g.add_argument("--mecefo-trace", type=json.loads, default=None, metavar="JSON",
+                       help='trace-driven failures, e.g. \'{"scenario": "high", "steps_per_hour": 20}\'')
         return parser
 
     # -- use --------------------------------------------------------------------------------------

@@ -65,3 +65,49 @@ def test_cover_policy_recompute_auto_follows_live_microbatches():
     assert c.cover_policy(5, live_microbatches=2).recompute_ffn
     assert MeCeFOConfig(recompute_ffn="always").cover_policy(0).recompute_ffn
     assert not MeCeFOConfig(recompute_ffn="never").cover_policy(0, live_microbatches=4).recompute_ffn
+
+
+def test_trace_scenarios_scale_the_paper_rates():
+    c = MeCeFOConfig(trace={"scenario": "high", "steps_per_hour": 20, "seed": 4})
+    assert c.trace == {"mtbf_steps": 10.0, "recovery_steps": 40, "seed": 4}
+    assert MeCeFOConfig(trace={"mtbf_steps": 5, "recovery_steps": 3}).trace["seed"] == 0
+
+
+@pytest.mark.parametrize(
+    "trace, message",
+    [
+        ({"scenario": "extreme", "steps_per_hour": 10}, "scenario must be one of"),
+        ({"scenario": "low"}, "steps_per_hour must be a number > 0"),
+        ({"mtbf_steps": 0, "recovery_steps": 3}, "mtbf_steps must be > 0"),
+        ({"mtbf_steps": 5, "recovery_steps": 0}, "recovery_steps must be an integer >= 1"),
+        ({"mtbf_steps": 5}, 'needs "mtbf_steps" and "recovery_steps"'),
+        ("high", "must be an object"),
+    ],
+)
+def test_trace_errors_name_the_key(trace, message):
+    with pytest.raises(ValueError, match=message):
+        MeCeFOConfig.from_ds_config({"trace": trace})
+
+
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        ("kill:1", "is not kind:rank:step"),
+        ("explode:1:2", "kind must be one of"),
+        ("kill:1:2:sideways", "phase must be one of"),
+        ("kill:x:2", "must be integers"),
+        ({"kind": "kill", "rank": 1, "step": 2, "when": 3}, "unknown field"),
+    ],
+)
+def test_inject_errors_name_the_key(rule, message):
+    with pytest.raises(ValueError, match=message):
+        MeCeFOConfig.from_ds_config({"inject": [rule]})
+
+
+def test_runtime_timeouts_are_checked_together():
+    with pytest.raises(ValueError, match="heartbeat_timeout_s.*at least twice"):
+        MeCeFOConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=1.5)
+    with pytest.raises(ValueError, match="agree_timeout_s.*must exceed collective_timeout_s"):
+        MeCeFOConfig(collective_timeout_s=60, agree_timeout_s=30)
+    with pytest.raises(ValueError, match="--mecefo-collective-timeout-s must be a number > 0"):
+        MeCeFOConfig(collective_timeout_s=0)

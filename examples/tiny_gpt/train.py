@@ -92,7 +92,7 @@ def main():
         "mecefo": {"enable": not args.no_mecefo, "rank": 8, "tau": 2, "log_dir": str(args.out)},
     }
     try:
-        engine = initialize(model=model, config=ds_config, args=args)
+        engine = initialize(model=model, config=ds_config, args=args, train_iters=args.steps)
         world, k, mb_size = job.world, engine.runtime.k, engine.micro_batch_size
         t_last, degraded = time.monotonic(), False
         while engine.global_steps < args.steps:

@@ -191,7 +191,7 @@ class MeCeFOEngine:
 
 
 def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mecefo: Optional[MeCeFOConfig] = None,
-               model_parameters=None, mpu=None, **kwargs) -> MeCeFOEngine:
+               model_parameters=None, mpu=None, train_iters: Optional[int] = None, **kwargs) -> MeCeFOEngine:
     """`deepspeed.initialize` with MeCeFO. Call after `init_distributed()` and building the model.
 
     Args:
@@ -199,6 +199,7 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
         config: the ds_config dict, with its optional top-level "mecefo" block.
         args: parsed CLI args carrying `--mecefo*` flags (override the block).
         mecefo: a ready MeCeFOConfig (instead of config["mecefo"] + args).
+        train_iters: total steps; needed for trace-driven failure injection ("trace").
 
     Raises:
         ValueError: an invalid "mecefo" value or a DeepSpeed setting MeCeFO refuses, before training.
@@ -208,6 +209,8 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
     cfg = mecefo or (MeCeFOConfig.from_args(args, config.get("mecefo")) if args is not None
                      else MeCeFOConfig.from_ds_config(config.get("mecefo")))
     check_ds_config(config, cfg)
+    if cfg.trace is not None and train_iters is None:
+        raise ValueError('mecefo "trace" needs initialize(..., train_iters=N) to lay out the failures')
     job = init_distributed()
     os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize asserts on it
     ds_config, k, mb = _replica_ds_config(config, job.world)
@@ -241,6 +244,8 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
         engine.global_steps, engine.global_samples = state["global_steps"], state["global_samples"]
 
     runtime.set_state_hooks(get_state, set_state)
+    if train_iters is not None:
+        runtime.set_trace(train_iters)
     step = runtime.start()
     if step != engine.global_steps and job.incarnation == 0:
         raise RuntimeError(f"runtime step {step} != engine step {engine.global_steps}")

@@ -16,17 +16,64 @@ thing; the launcher leaves them running.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import random
 import signal
 import sys
-from typing import Iterable, List, Mapping
+from typing import Iterable, List, Mapping, Optional
 
-__all__ = ["FaultInjector", "PHASES"]
+__all__ = ["FaultInjector", "PHASES", "TraceEvent", "failure_trace", "PAPER_SCENARIOS"]
 
 logger = logging.getLogger(__name__)
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery")
+
+PAPER_SCENARIOS = {"low": (2.0, 4.0), "medium": (1.0, 3.0), "high": (0.5, 2.0)}
+"""The paper's failure scenarios: (mean time between failures, recovery time) in hours."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceEvent:
+    rank: int
+    fail_step: int
+    rejoin_step: int
+    incarnation: int
+    """Which incarnation of `rank` fails here (0 = first start)."""
+
+
+def failure_trace(world: int, total_steps: int, mtbf_steps: float, recovery_steps: int, seed: int = 0) -> List[TraceEvent]:
+    """A deterministic failure trace: Poisson arrivals (job-wide mean gap `mtbf_steps`), each taking
+    one healthy rank down for `recovery_steps`. A failure that would leave some failed replica
+    without a neighbour (more than MeCeFO can absorb) is skipped. Pure: every rank computes the
+    same trace from the same arguments.
+    """
+    from megatron_mecefo.elastic.topology import Grid, plan_cover
+    from megatron_mecefo.errors import NoCoverAvailable
+
+    if mtbf_steps <= 0 or recovery_steps < 1:
+        raise ValueError("failure_trace needs mtbf_steps > 0 and recovery_steps >= 1")
+    rng = random.Random(seed)
+    grid = Grid(dp=world)
+    events: List[TraceEvent] = []
+    incarnations = [0] * world
+    t = rng.expovariate(1.0 / mtbf_steps)
+    while t < total_steps:
+        step = max(1, int(t))
+        down = {e.rank for e in events if e.fail_step <= step < e.rejoin_step}
+        healthy = [r for r in range(world) if r not in down]
+        rng.shuffle(healthy)
+        for victim in healthy:
+            try:
+                plan_cover(grid, [r for r in range(world) if r not in down and r != victim])
+            except NoCoverAvailable:
+                continue
+            events.append(TraceEvent(victim, step, step + recovery_steps, incarnations[victim]))
+            incarnations[victim] += 1
+            break
+        t += rng.expovariate(1.0 / mtbf_steps)
+    return events
 
 
 class FaultInjector:
@@ -40,10 +87,16 @@ class FaultInjector:
         self.on_soft_hang = None  # set by the runtime: stop heartbeats, wait for the job's end
         self.events = None  # an EventLog: the firing time is recorded before the signal
 
-    def _add(self, kind: str, rank: int, step: int, phase: str) -> "FaultInjector":
+    def _add(self, kind: str, rank: int, step: int, phase: str, incarnation: int = 0) -> "FaultInjector":
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-        self.rules.append({"kind": kind, "rank": rank, "step": step, "phase": phase})
+        self.rules.append({"kind": kind, "rank": rank, "step": step, "phase": phase, "incarnation": incarnation})
+        return self
+
+    def add_trace(self, events: Iterable[TraceEvent], phase: str = "backward") -> "FaultInjector":
+        """Kill each event's rank at its fail step, in the incarnation the event names."""
+        for e in events:
+            self._add("kill", e.rank, e.fail_step, phase, e.incarnation)
         return self
 
     def kill_at(self, rank: int, step: int, phase: str = "backward") -> "FaultInjector":
@@ -60,10 +113,8 @@ class FaultInjector:
         return inj
 
     def maybe_fire(self, step: int, phase: str) -> None:
-        if self.incarnation != 0:
-            return
         for rule in self.rules:
-            if (rule["rank"], rule["step"], rule["phase"]) == (self.rank, step, phase):
+            if (rule["rank"], rule["step"], rule["phase"], rule["incarnation"]) == (self.rank, step, phase, self.incarnation):
                 msg = f"[mecefo inject] rank {self.rank}: {rule['kind']} at step {step} ({phase})"
                 print(msg, file=sys.stderr, flush=True)
                 if self.events is not None:

@@ -151,6 +151,8 @@ class Membership:
         plan_key = f"{prefix}/plan"
         candidates = sorted(set(candidates) | {self.rank})
         while not self.store.check([plan_key]):
+            if self.store.check(["job/finished"]):  # admitted at the last step: nobody will come
+                raise JobFinished(f"[gen {generation} rank {self.rank}] the job finished before generation {generation} formed")
             if time.monotonic() > deadline:
                 raise AgreementTimeout(
                     f"[gen {generation} rank {self.rank}] no agreement on the survivors within "

@@ -35,7 +35,7 @@ import torch
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic import groups
 from megatron_mecefo.elastic.fold import Fold, FoldPolicy, MicroBatch, fold_neighbor
-from megatron_mecefo.elastic.inject import FaultInjector
+from megatron_mecefo.elastic.inject import FaultInjector, failure_trace
 from megatron_mecefo.elastic.membership import Membership, connect_store
 from megatron_mecefo.elastic.topology import CoverPlan, Grid, plan_cover
 from megatron_mecefo.errors import MeCeFOError, NoCoverAvailable
@@ -106,6 +106,7 @@ class ElasticRuntime:
         self.incarnation = incarnation
         self.fold_policy = fold_policy
         self.injector = injector or FaultInjector.from_rules(config.inject, rank, incarnation, soft=soft_failures)
+        self.trace = []  # set by set_trace(): TraceEvents of the job
         self.injector.on_soft_hang = self._soft_hang
         self.backend = backend
         self._timeout = timedelta(seconds=config.collective_timeout_s)
@@ -140,6 +141,25 @@ class ElasticRuntime:
         scheduler, counters). Call before `start()`."""
         self._get_state, self._set_state = get_state, set_state
 
+    def set_trace(self, total_steps: int) -> None:
+        """Turn config.trace into kill rules for this job of `total_steps` (same on every rank)."""
+        if self.cfg.trace is None:
+            return
+        t = self.cfg.trace
+        self.trace = failure_trace(self.world, total_steps, t["mtbf_steps"], t["recovery_steps"], t["seed"])
+        self.injector.add_trace(self.trace)
+
+    def _wait_for_rejoin_step(self) -> None:
+        """A rank restarted by a trace stays down until its event's rejoin step."""
+        mine = [e for e in self.trace if e.rank == self.rank and e.incarnation == self.incarnation - 1]
+        if not mine:
+            return
+        deadline = time.monotonic() + self.cfg.join_timeout_s
+        while int(self.store.add("job/progress", 0)) < mine[0].rejoin_step and time.monotonic() < deadline:
+            if self.store.check(["job/finished"]):
+                return
+            time.sleep(0.1)
+
     def start(self) -> int:
         """Join the job. Returns the step to train next (0 unless this rank rejoins)."""
         self.store.add("mecefo/world", 0)
@@ -149,6 +169,7 @@ class ElasticRuntime:
             self._regroup(0, list(range(self.world)))
             return self.step
         t0 = time.monotonic()
+        self._wait_for_rejoin_step()
         generation = self.membership.request_join(self.cfg.join_timeout_s)
         candidates = [int(x) for x in self.store.get(f"gen{generation}/candidates").decode().split(",")]
         self._regroup(generation, candidates)
@@ -247,6 +268,8 @@ class ElasticRuntime:
         ok = self._error is None
         decision = self.membership.decide(self.generation, self.step, self.members, ok, self.world)
         if decision.commit:
+            if self.rank == min(self.members):
+                self.store.set("job/progress", str(self.step + 1))  # read by trace-restarted ranks
             if decision.joiners:
                 self._pending = (decision.next_generation, sorted(set(self.members) | set(decision.joiners)))
             p = self.plan()

@@ -32,7 +32,8 @@ FAST = ["--mecefo-collective-timeout-s", "4", "--mecefo-heartbeat-interval-s", "
 
 
 def launch(out: Path, world: int, *extra: str, restart_after=None, timeout=150):
-    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(world), "--master-port", "0"]
+    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(world), "--master-port", "0",
+           "--max-restarts", "10"]
     if restart_after is not None:
         cmd += ["--restart-failed-after", str(restart_after)]
     cmd += [str(ROOT / "tests/elastic/toy_train.py"), "--out", str(out), "--steps", str(STEPS), "--k", str(K),
@@ -158,3 +159,29 @@ def test_no_neighbour_left_checkpoints_and_exits(tmp_path):
     ckpt = torch.load(tmp_path / "checkpoint_rank0.pt", weights_only=False)
     assert ckpt["step"] == 3
     assert elapsed < 60
+
+
+def test_trace_driven_failures_and_rejoins(tmp_path):
+    from megatron_mecefo.elastic.inject import failure_trace
+
+    steps = 30
+    trace = {"mtbf_steps": 7, "recovery_steps": 4, "seed": 3}
+    expected = failure_trace(4, steps, 7, 4, 3)
+    assert len(expected) >= 3
+    cmd_extra = ["--steps", str(steps), "--step-sleep", "0.12", "--mecefo-trace", json.dumps(trace)]
+    proc, _ = launch(tmp_path, 4, *cmd_extra, restart_after=0.2, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fired = proc.stderr.count("[mecefo inject]")
+    assert fired >= 2, proc.stderr[-3000:]
+    records = step_records(tmp_path, 4)
+    assert sorted(records) == list(range(steps))
+    for step, recs in records.items():
+        mbs = sorted((m[0], m[1]) for r in recs for m in r["micro_batches"])
+        assert mbs == [(d, j) for d in range(4) for j in range(K)], (step, mbs)
+    degraded = sum(any(r["degraded"] for r in recs) for recs in records.values())
+    assert degraded >= 4
+    final_members = sorted(r["rank"] for r in records[steps - 1])
+    f = finals(tmp_path, final_members)
+    for r in final_members:
+        for a, b in zip(f[final_members[0]]["params"], f[r]["params"]):
+            assert torch.equal(a, b)

@@ -90,6 +90,8 @@ def main():
                         incarnation=int(os.environ.get("MECEFO_INCARNATION", "0")))
     rt.set_state_hooks(lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
                        lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"])))
+    rt.set_trace(args.steps)
+    step = 0
     try:
         step = rt.start()
         while step < args.steps:
