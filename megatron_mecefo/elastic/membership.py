@@ -111,8 +111,9 @@ class Membership:
     def alive(self, ranks: Iterable[int]) -> List[int]:
         """The ranks among `ranks` whose heartbeat moved within the last heartbeat_timeout_s.
 
-        A rank never seen before gets the benefit of the doubt for one timeout from the first look.
-        A rank whose process the launcher saw exit (`exited/{rank}`) is dead at once.
+        A rank that has not started its heartbeat yet (still importing, say) counts as alive; the
+        agreement deadline bounds how long it is waited for. A rank whose process the launcher saw
+        exit (`exited/{rank}`) is dead at once.
         """
         now = time.monotonic()
         out = []
@@ -123,6 +124,9 @@ class Membership:
             if self.store.check([f"exited/{r}"]):
                 continue
             value = self.store.add(f"hb/{r}", 0)
+            if value == 0:
+                out.append(r)
+                continue
             last = self._seen.get(r)
             if last is None or last[0] != value:
                 self._seen[r] = (value, now)
@@ -141,8 +145,11 @@ class Membership:
         Returns:
             The sorted member list, which contains this rank.
 
+        Candidates that have not checked in by agree_timeout_s are left out (a late starter then
+        rejoins like a restarted rank).
+
         Raises:
-            AgreementTimeout: no member list within agree_timeout_s.
+            AgreementTimeout: no member list within twice agree_timeout_s.
             NotAMember: the agreed list leaves this rank out (it was presumed failed).
         """
         prefix = f"gen{generation}"
@@ -153,16 +160,18 @@ class Membership:
         while not self.store.check([plan_key]):
             if self.store.check(["job/finished"]):  # admitted at the last step: nobody will come
                 raise JobFinished(f"[gen {generation} rank {self.rank}] the job finished before generation {generation} formed")
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline + self.agree_timeout:
                 raise AgreementTimeout(
                     f"[gen {generation} rank {self.rank}] no agreement on the survivors within "
-                    f"{self.agree_timeout:.0f} s (mecefo.agree_timeout_s)"
+                    f"{2 * self.agree_timeout:.0f} s (mecefo.agree_timeout_s)"
                 )
             checked = [r for r in candidates if self.store.check([f"{prefix}/in/{r}"])]
             live = set(self.alive(candidates))
             pending = [r for r in candidates if r in live and r not in checked]
             voters = [r for r in checked if r in live]
-            if not pending and voters and voters[0] == self.rank:
+            # past the deadline, go on without ranks that never checked in (they may rejoin later)
+            if (not pending or now > deadline) and voters and voters[0] == self.rank:
                 self.store.compare_set(plan_key, "", json.dumps(voters))
             time.sleep(_POLL_S)
         members = json.loads(self.store.get(plan_key))

@@ -38,7 +38,7 @@ from megatron_mecefo.elastic.fold import Fold, FoldPolicy, MicroBatch, fold_neig
 from megatron_mecefo.elastic.inject import FaultInjector, failure_trace
 from megatron_mecefo.elastic.membership import Membership, connect_store
 from megatron_mecefo.elastic.topology import CoverPlan, Grid, plan_cover
-from megatron_mecefo.errors import MeCeFOError, NoCoverAvailable
+from megatron_mecefo.errors import MeCeFOError, NoCoverAvailable, NotAMember
 from megatron_mecefo.log import EventLog, RankPrefix
 from megatron_mecefo.params import GradGroup, grad_group
 
@@ -166,8 +166,11 @@ class ElasticRuntime:
         self.store.compare_set("mecefo/world", "0", str(self.world))
         self.membership.start()
         if self.incarnation == 0:
-            self._regroup(0, list(range(self.world)))
-            return self.step
+            try:
+                self._regroup(0, list(range(self.world)))
+                return self.step
+            except NotAMember:  # started too late for generation 0: come in like a restarted rank
+                self.log.warning("not in the first generation; joining at the next step boundary")
         t0 = time.monotonic()
         self._wait_for_rejoin_step()
         generation = self.membership.request_join(self.cfg.join_timeout_s)

@@ -185,3 +185,13 @@ def test_trace_driven_failures_and_rejoins(tmp_path):
     for r in final_members:
         for a, b in zip(f[final_members[0]]["params"], f[r]["params"]):
             assert torch.equal(a, b)
+
+
+def test_a_late_starter_joins_instead_of_blocking_the_start(tmp_path, references):
+    # rank 2 starts after the agreement deadline of generation 0: the others start without it
+    proc, _ = launch(tmp_path, 3, "--late-rank", "2", "--late-by", "7", "--step-sleep", "0.2",
+                     "--mecefo-agree-timeout-s", "5")
+    records = check_run(tmp_path, 3, [0, 1, 2], references[3], proc)
+    assert sorted(r["rank"] for r in records[0]) == [0, 1]
+    assert records[0][0]["cover"] == {"2": 0}
+    assert sorted(r["rank"] for r in records[STEPS - 1]) == [0, 1, 2]

@@ -54,6 +54,8 @@ def parse():
     p.add_argument("--reference", action="store_true")
     p.add_argument("--world", type=int, default=None)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of fake compute per micro-batch")
+    p.add_argument("--late-rank", type=int, default=-1, help="this rank starts --late-by seconds late")
+    p.add_argument("--late-by", type=float, default=0.0)
     MeCeFOConfig.add_cli_args(p)
     return p.parse_args()
 
@@ -82,6 +84,8 @@ def main():
     from megatron_mecefo.elastic.runtime import ElasticRuntime
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank == args.late_rank:
+        time.sleep(args.late_by)
     cfg = MeCeFOConfig.from_args(args, {"log_dir": str(args.out)})
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
