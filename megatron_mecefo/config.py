@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional
 
 from megatron_mecefo.approx.mode import SVD_METHODS, CoverPolicy
 
-__all__ = ["MeCeFOConfig", "LaunchEnv", "RECOMPUTE_CHOICES", "APPROXIMATE_CHOICES"]
+__all__ = ["MeCeFOConfig", "LaunchEnv", "prepare_nccl_error_handling", "RECOMPUTE_CHOICES", "APPROXIMATE_CHOICES"]
 
 RECOMPUTE_CHOICES = ("auto", "always", "never")
 INJECT_KINDS = ("kill", "hang")
@@ -51,6 +51,16 @@ class LaunchEnv:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env["MASTER_PORT"]),
             incarnation=int(env.get("MECEFO_INCARNATION", "0")), mecefo_launcher=env.get("MECEFO_LAUNCHER") == "1",
         )
+
+
+def prepare_nccl_error_handling() -> None:
+    """Make NCCL failures raise instead of killing the process (call before CUDA/NCCL start).
+
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (PyTorch's default) tears the process down on a
+    communicator error; 2 aborts the communicator and raises, which MeCeFO needs to recover
+    in-process. A value the user set explicitly is kept. Untested here (no GPU in CI).
+    """
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 def _flag(key: str) -> str:

@@ -22,8 +22,9 @@ stages >= 1 (which shard optimizer state over data-parallel ranks, so a dead ran
 shard) are refused at start-up; ds_config's batch sizes are rewritten per replica
 (train_batch_size = micro batch * accumulation steps), "managed_gradient_accumulation" is false.
 
-Scope: tp = pp = 1 (the runtime's current scope), fp32 or bf16 autocast-free training on gloo;
-the NCCL path follows the documented APIs and is untested here.
+Scope: tp = pp = 1 (the runtime's current scope), ZeRO-0, fp32 on gloo (tested). On CUDA the
+runtime's groups use NCCL with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 and communicator abort, following
+PyTorch's documented APIs; that path is untested here (no GPU in CI).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mecefo.approx import covering
-from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
+from megatron_mecefo.config import LaunchEnv, MeCeFOConfig, prepare_nccl_error_handling
 from megatron_mecefo.elastic.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.elastic.store_daemon import spawn_store_daemon
@@ -56,6 +57,8 @@ def init_distributed(backend: str = "gloo") -> LaunchEnv:
     Returns the launch environment the runtime needs.
     """
     env = LaunchEnv.read()
+    if backend == "nccl":
+        prepare_nccl_error_handling()
     if not dist.is_initialized():
         if not env.mecefo_launcher and env.rank == 0 and env.incarnation == 0:
             spawn_store_daemon("0.0.0.0", env.master_port)
@@ -114,6 +117,8 @@ class MeCeFOEngine:
         self._loss_sum = 0.0
         self.last_loss: Optional[float] = None
         self.last_committed = False
+        self.record_extra: Dict[str, Any] = {}
+        """Extra fields for this step's record in steps_rank{R}.jsonl (set before the step's first micro-batch)."""
 
     # -- what to run ------------------------------------------------------------------------------
 
@@ -167,7 +172,7 @@ class MeCeFOEngine:
                                                                   stats=[self._loss_sum, samples])
         self._plan = None
         committed = self.runtime.commit(loss=total_loss / plan.divisor if plan.divisor else None,
-                                        samples=int(total_samples), lr=self._lr())
+                                        samples=int(total_samples), lr=self._lr(), **self.record_extra)
         self.last_committed = committed
         if committed:
             self.last_loss = total_loss / plan.divisor
@@ -211,7 +216,8 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
     check_ds_config(config, cfg)
     if cfg.trace is not None and train_iters is None:
         raise ValueError('mecefo "trace" needs initialize(..., train_iters=N) to lay out the failures')
-    job = init_distributed()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    job = init_distributed(backend)
     os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize asserts on it
     ds_config, k, mb = _replica_ds_config(config, job.world)
     if mpu is None:
@@ -229,7 +235,7 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
     )
     runtime = ElasticRuntime(cfg, rank=job.rank, world=job.world, store_host=job.master_addr,
                              store_port=job.master_port, micro_batches=k, incarnation=job.incarnation,
-                             soft_failures=not job.mecefo_launcher)
+                             soft_failures=not job.mecefo_launcher, backend=backend)
 
     def get_state():
         return {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),

@@ -240,7 +240,9 @@ class ElasticRuntime:
             return [0.0] * len(stats)
         self.injector.maybe_fire(self.step, "allreduce")
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.detach().reshape(-1).float() for g in grads] + [torch.tensor(list(stats), dtype=torch.float32)])
+        device = grads[0].device if grads else torch.device("cpu")
+        flat = torch.cat([g.detach().reshape(-1).float() for g in grads]
+                         + [torch.tensor(list(stats), dtype=torch.float32, device=device)])
         try:
             groups.allreduce_sum_(self.group, flat, should_abort=self._step_aborted)
         except Exception as e:  # gloo: connection closed / timed out; or a peer gave up first
@@ -256,7 +258,7 @@ class ElasticRuntime:
                 scale = 1.0 / self._fold.divisor
             p.grad = (flat[offset:offset + n] * scale).view_as(p).to(p.dtype)
             offset += n
-        return flat[offset:].tolist()
+        return flat[offset:].cpu().tolist()
 
     def _step_aborted(self) -> bool:
         return self.store.check([f"gen{self.generation}/step{self.step}/decision"])

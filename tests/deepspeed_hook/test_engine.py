@@ -55,9 +55,16 @@ def check_accounting(out, world=3, k=2, n_steps=STEPS):
 pytestmark = [pytest.mark.dist]
 
 
+def check_replicas_identical_every_step(out):
+    for step, rs in steps(out).items():
+        assert len({r["param_sha256"] for r in rs}) == 1, f"replicas differ at the start of step {step}"
+
+
 @pytest.mark.fault
-def test_kill_with_mecefo_covering(tmp_path):
-    run(tmp_path, "--mecefo-inject", "kill:1:2:backward")
+@pytest.mark.parametrize("phase", ["forward", "backward", "allreduce", "optimizer"])
+def test_kill_with_mecefo_covering(tmp_path, phase):
+    run(tmp_path, "--mecefo-inject", f"kill:1:2:{phase}", "--hash-params")
+    check_replicas_identical_every_step(tmp_path)
     s = summaries(tmp_path, [0, 2])
     assert s[0]["steps"] == s[2]["steps"] == STEPS
     assert s[0]["param_sha256"] == s[2]["param_sha256"] and s[0]["opt_sha256"] == s[2]["opt_sha256"]
@@ -66,6 +73,16 @@ def test_kill_with_mecefo_covering(tmp_path):
     covering = {r["rank"]: r for r in recs[STEPS - 1]}[2]
     assert covering["cover"] == {"1": 2}
     assert all(m[2] for m in covering["micro_batches"]), "the neighbour runs all its micro-batches in covering mode"
+
+
+@pytest.mark.fault
+def test_hang_in_deepspeed(tmp_path):
+    run(tmp_path, "--mecefo-inject", "hang:2:3:backward", "--hash-params")
+    check_replicas_identical_every_step(tmp_path)
+    s = summaries(tmp_path, [0, 1])
+    assert s[0]["param_sha256"] == s[1]["param_sha256"] and s[0]["steps"] == STEPS
+    recs = check_accounting(tmp_path)
+    assert {r["rank"]: r for r in recs[STEPS - 1]}[0]["cover"] == {"2": 0}
 
 
 @pytest.mark.fault
@@ -83,7 +100,8 @@ def test_fold_is_exact_with_approximations_off(tmp_path):
 @pytest.mark.fault
 def test_rejoin_restores_model_and_optimizer(tmp_path):
     n = 14  # long enough (fake compute) for the restarted rank to import and come back
-    run(tmp_path, "--mecefo-inject", "kill:1:1:backward", "--step-sleep", "0.3", restart_after=0.5, steps=n)
+    run(tmp_path, "--mecefo-inject", "kill:1:1:backward", "--step-sleep", "0.3", "--hash-params", restart_after=0.5, steps=n)
+    check_replicas_identical_every_step(tmp_path)
     s = summaries(tmp_path, [0, 1, 2])
     assert all(v["steps"] == n for v in s.values())
     assert len({v["param_sha256"] for v in s.values()}) == 1
