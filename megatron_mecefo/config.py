@@ -53,6 +53,11 @@ class LaunchEnv:
         )
 
 
+def cache_root() -> str:
+    """Where built datasets are cached: $MECEFO_CACHE, else ~/.cache/megatron_mecefo."""
+    return os.environ.get("MECEFO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megatron_mecefo")
+
+
 def prepare_nccl_error_handling() -> None:
     """Make NCCL failures raise instead of killing the process (call before CUDA/NCCL start).
 

@@ -1,0 +1,249 @@
+"""Pretrain a GPT with Megatron-Core + DeepSpeed, optionally fault tolerant with MeCeFO.
+
+    # 4 ranks on CPU, MeCeFO on, rank 1 killed at step 50 and restarted (it rejoins):
+    mecefo-launch --nproc-per-node 4 --restart-failed-after 10 examples/pretrain_gpt/pretrain_gpt.py \\
+        --deepspeed_config examples/pretrain_gpt/ds_config.json --mecefo --mecefo-inject kill:1:50 \\
+        --num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \\
+        --micro-batch-size 4 --global-batch-size 32 --train-iters 200 --lr 1e-3 --normalization RMSNorm --swiglu \\
+        --position-embedding-type rope --eval-interval 50 --eval-iters 4 --save runs/ckpt --save-interval 100
+    # the same with DeepSpeed's launcher:  deepspeed --num_gpus 4 examples/pretrain_gpt/pretrain_gpt.py ...
+    # real data: python -m megatron_mecefo.data.preprocess --input corpus.jsonl --output-prefix data/c ; --data-path data/c
+
+Without --mecefo this is plain DeepSpeed data-parallel training. Without --data-path it trains on
+the Python standard library's sources (byte-level tokens, built once into a cache).
+"""
+
+import argparse
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+warnings.filterwarnings("ignore")
+
+import torch
+import torch.nn.functional as F
+
+from megatron_mecefo.config import MeCeFOConfig
+from megatron_mecefo.errors import JobFinished, NoCoverAvailable
+
+
+def parse_args(argv=None):
+    import deepspeed
+
+    p = argparse.ArgumentParser(description="GPT pretraining with MeCeFO")
+    a = p.add_argument
+    a("--num-layers", type=int, default=2); a("--hidden-size", type=int, default=128)
+    a("--num-attention-heads", type=int, default=4); a("--ffn-hidden-size", type=int, default=None)
+    a("--seq-length", type=int, default=128); a("--max-position-embeddings", type=int, default=None)
+    a("--micro-batch-size", type=int, default=4); a("--global-batch-size", type=int, default=None)
+    a("--train-iters", type=int, default=100); a("--lr", type=float, default=1e-3)
+    a("--min-lr", type=float, default=0.0); a("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
+    a("--lr-warmup-iters", type=int, default=0); a("--weight-decay", type=float, default=0.01)
+    a("--clip-grad", type=float, default=1.0); a("--bf16", action="store_true"); a("--seed", type=int, default=1234)
+    a("--eval-interval", type=int, default=100); a("--eval-iters", type=int, default=10)
+    a("--log-interval", type=int, default=10)
+    a("--save", default=None); a("--load", default=None); a("--save-interval", type=int, default=None)
+    a("--data-path", default=None, help="prefix of a .bin/.idx indexed dataset (default: the stdlib corpus)")
+    a("--split", default="98,2,0"); a("--tokenizer-type", choices=("ByteTokenizer",), default="ByteTokenizer")
+    a("--make-vocab-size-divisible-by", type=int, default=64)
+    a("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm"); a("--swiglu", action="store_true")
+    a("--disable-bias-linear", action="store_true")
+    a("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    a("--hidden-dropout", type=float, default=0.0); a("--attention-dropout", type=float, default=0.0)
+    a("--local_rank", "--local-rank", type=int, default=0)
+    deepspeed.add_config_arguments(p)
+    MeCeFOConfig.add_cli_args(p)
+    args = p.parse_args(argv)
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    return args
+
+
+def ds_config_for(args, world):
+    """The ds_config file (if any) completed by the Megatron-style flags; conflicts are errors."""
+    import json
+
+    cfg = {}
+    if args.deepspeed_config:
+        with open(args.deepspeed_config) as f:
+            cfg = json.load(f)
+    gbs = args.global_batch_size or args.micro_batch_size * world
+    if gbs % (args.micro_batch_size * world):
+        raise ValueError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size x ranks ({args.micro_batch_size * world})")
+    want = {"train_micro_batch_size_per_gpu": args.micro_batch_size, "train_batch_size": gbs,
+            "gradient_accumulation_steps": gbs // (args.micro_batch_size * world)}
+    for key, value in want.items():
+        if key in cfg and cfg[key] != value:
+            raise ValueError(f'ds_config "{key}"={cfg[key]} conflicts with the flags ({value})')
+        cfg[key] = value
+    cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": args.weight_decay,
+                                                            "betas": [0.9, 0.95], "torch_adam": True}})
+    cfg.setdefault("gradient_clipping", args.clip_grad)
+    cfg.setdefault("steps_per_print", 10 ** 9)
+    if args.bf16:
+        cfg.setdefault("bf16", {"enabled": True})
+    return cfg
+
+
+def lr_lambda(args):
+    def f(it):
+        if it < args.lr_warmup_iters:
+            return (it + 1) / args.lr_warmup_iters
+        frac = min(1.0, (it - args.lr_warmup_iters) / max(1, args.train_iters - args.lr_warmup_iters))
+        decay = {"constant": 1.0, "linear": 1.0 - frac, "cosine": 0.5 * (1 + math.cos(math.pi * frac))}[args.lr_decay_style]
+        return (args.min_lr + (args.lr - args.min_lr) * decay) / args.lr
+    return f
+
+
+def build_model(args):
+    from megatron_mecefo.data.tokenizer import ByteTokenizer
+    from megatron_mecefo.layers.model import build_gpt, llama_config
+
+    d = args.make_vocab_size_divisible_by
+    vocab = -(-ByteTokenizer().vocab_size // d) * d
+    config = llama_config(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size or (None if args.swiglu else 4 * args.hidden_size),
+        normalization=args.normalization, gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu, add_bias_linear=not args.disable_bias_linear,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        dtype=torch.bfloat16 if args.bf16 else torch.float32,
+    )
+    return build_gpt(config, vocab_size=vocab, seq_length=args.max_position_embeddings, seed=args.seed,
+                     position_embedding_type=args.position_embedding_type)
+
+
+def lm_loss(engine, batch):
+    tokens, pos, labels, mask = batch
+    per_token = engine(tokens, pos, None, labels=labels).float()
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+def evaluate(model, valid, args):
+    from megatron_mecefo.data.gpt import collate
+
+    model.eval()
+    with torch.no_grad():
+        losses = []
+        for i in range(args.eval_iters):
+            tokens, pos, labels, mask = collate(valid, range(i * args.micro_batch_size, (i + 1) * args.micro_batch_size))
+            out = model(tokens, pos, None, labels=labels).float()
+            losses.append(((out * mask).sum() / mask.sum()).item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def save_checkpoint(engine, args, iteration):
+    path = Path(args.save) / f"iter_{iteration:07d}"
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save({"iteration": iteration, "module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
+                "lr_scheduler": engine.lr_scheduler.state_dict()}, path / "model_optim.pt")
+    (Path(args.save) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    print(f" saved checkpoint at iteration {iteration:8d} to {args.save}", flush=True)
+
+
+def load_checkpoint(engine, args):
+    marker = Path(args.load) / "latest_checkpointed_iteration.txt"
+    if not marker.exists():
+        raise FileNotFoundError(f"--load {args.load}: no latest_checkpointed_iteration.txt")
+    it = int(marker.read_text())
+    state = torch.load(Path(args.load) / f"iter_{it:07d}" / "model_optim.pt", weights_only=False)
+    engine.module.load_state_dict(state["module"])
+    engine.optimizer.load_state_dict(state["optimizer"])
+    engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    engine.global_steps = it
+    return it
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    mecefo = MeCeFOConfig.from_args(args, None)  # validated before anything starts
+    from megatron_mecefo.config import LaunchEnv, cache_root
+    from megatron_mecefo.data.corpus import stdlib_corpus
+    from megatron_mecefo.data.gpt import build_gpt_datasets, collate
+    from megatron_mecefo.elastic.fold import sample_range
+    from megatron_mecefo.layers.model import init_model_parallel
+
+    env = LaunchEnv.read()
+    ds_config = ds_config_for(args, env.world)
+    if mecefo.enable:
+        from megatron_mecefo.deepspeed_hook import check_ds_config, init_distributed
+
+        check_ds_config(ds_config, mecefo)
+        init_distributed()
+    else:
+        import deepspeed
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # avoid a 35 s JIT build on CPU
+        deepspeed.init_distributed("gloo" if not torch.cuda.is_available() else "nccl")
+    prefix = args.data_path or stdlib_corpus()
+    gbs, k = ds_config["train_batch_size"], ds_config["gradient_accumulation_steps"]
+    train, valid = build_gpt_datasets(prefix, seq_length=args.seq_length, split=args.split, seed=args.seed,
+                                      train_samples=args.train_iters * gbs, valid_samples=args.eval_iters * args.micro_batch_size,
+                                      cache_dir=os.path.join(cache_root(), "index-cache"))
+    init_model_parallel(1, 1, seed=args.seed)
+    model = build_model(args)
+    sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))  # noqa: E731
+    if mecefo.enable:
+        from megatron_mecefo.deepspeed_hook import initialize
+
+        ds_config["mecefo"] = mecefo.to_dict()
+        engine = initialize(model=model, config=ds_config, mecefo=mecefo, lr_scheduler=sched, train_iters=args.train_iters)
+        rt = engine.runtime
+    else:
+        import deepspeed
+
+        from megatron_mecefo.deepspeed_hook.mpu import MegatronMPU
+
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config, mpu=MegatronMPU(), lr_scheduler=sched,
+                                               model_parameters=model.parameters())
+        rt = None
+    if args.load:
+        load_checkpoint(engine, args)
+    is_logger = lambda: (rt is None and env.rank == 0) or (rt is not None and env.rank == min(rt.members))  # noqa: E731
+    t_last, losses = time.monotonic(), []
+    while engine.global_steps < args.train_iters:
+        it = engine.global_steps
+        mbs = [(m.replica, m.index) for m in engine.micro_batches()] if rt else [(env.rank, j) for j in range(k)]
+        for replica, index in mbs:
+            batch = collate(train, sample_range(it, replica, index, micro_batch_size=args.micro_batch_size, dp=env.world, k=k))
+            loss = lm_loss(engine, batch)
+            engine.backward(loss)
+            losses.append(loss.item())
+            stepped = engine.step()
+        if rt is not None and not stepped:
+            losses = []
+            continue  # a peer failed: the survivors regrouped; redo this iteration
+        it = engine.global_steps
+        if is_logger() and it % args.log_interval == 0:
+            lm = engine.last_loss if rt else sum(losses) / len(losses)
+            state = (f" | mecefo: gen {rt.generation} live {len(rt.members)}/{rt.world} cover "
+                     f"{', '.join(f'{f}->{c}' for f, c in sorted(rt.plan_cover().cover.items())) or 'none'}" if rt else "")
+            print(f" iteration {it:8d}/{args.train_iters:8d} | consumed samples: {it * gbs:12d} | elapsed time per iteration (ms): "
+                  f"{1000 * (time.monotonic() - t_last) / args.log_interval:8.1f} | learning rate: {engine.get_lr()[0]:.6E} | "
+                  f"global batch size: {gbs:5d} | lm loss: {lm:.6E}{state} |", flush=True)
+            t_last = time.monotonic()
+        losses = []
+        if is_logger() and (it % args.eval_interval == 0 or it == args.train_iters):
+            print(f" validation loss at iteration {it} | lm loss value: {evaluate(engine.module, valid, args):.6E} |", flush=True)
+        if args.save and is_logger() and ((args.save_interval and it % args.save_interval == 0) or it == args.train_iters):
+            save_checkpoint(engine, args, it)
+    if rt is not None:
+        engine.close()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except JobFinished as e:
+        print(f"MeCeFO: {e}", file=sys.stderr)
+    except NoCoverAvailable as e:
+        print(f"MeCeFO: cannot continue: {e}", file=sys.stderr)
+        sys.exit(3)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,2 @@
+"""Data for the examples: a byte-level tokenizer, preprocessing to Megatron indexed datasets, the
+stdlib default corpus, and GPTDatasets addressable by sample index."""

@@ -1,0 +1,58 @@
+"""Train / validation GPTDatasets from Megatron-Core's dataset stack, addressable by sample index.
+
+MeCeFO needs data that any rank can fetch for any other rank: sample i of the training set is
+`train[i]`, and the runtime maps (step, replica, micro-batch) to sample indices (`sample_range`).
+Index caches are built once: under a file lock when every rank is its own torch.distributed world
+(MeCeFO), by Megatron's rank-0-builds-then-barrier otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence, Tuple
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+from megatron_mecefo.data.corpus import file_lock
+from megatron_mecefo.data.tokenizer import ByteTokenizer
+
+__all__ = ["build_gpt_datasets", "collate"]
+
+
+def build_gpt_datasets(data_prefix: str, *, seq_length: int, split: str, seed: int, train_samples: int,
+                       valid_samples: int, cache_dir: str) -> Tuple[GPTDataset, GPTDataset]:
+    """(train, valid) GPTDatasets over the indexed dataset at `data_prefix` (.bin/.idx).
+
+    Raises:
+        FileNotFoundError: the .bin/.idx pair does not exist (before any training starts).
+    """
+    for suffix in (".bin", ".idx"):
+        if not os.path.exists(data_prefix + suffix):
+            raise FileNotFoundError(
+                f"--data-path {data_prefix}: {data_prefix + suffix} not found; create it with "
+                "python -m megatron_mecefo.data.preprocess --input FILE --output-prefix PREFIX"
+            )
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, blend=([data_prefix], None), split=split,
+        tokenizer=ByteTokenizer(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        create_attention_mask=False, path_to_cache=cache_dir, mmap_bin_files=True,
+    )
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, valid_samples, 0], lambda: True, config)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        train, valid, _ = builder.build()  # Megatron coordinates: rank 0 builds, a barrier, the rest load
+    else:
+        with file_lock(Path(cache_dir) / "build.lock"):  # replica-local worlds (MeCeFO): one builder at a time
+            train, valid, _ = builder.build()
+    if train is None or valid is None:
+        raise ValueError(f"--split {split} leaves no training or validation documents in {data_prefix}")
+    return train, valid
+
+
+def collate(dataset, indices: Sequence[int]):
+    """tokens, position_ids, labels, loss_mask for samples `indices` (wrapping around the dataset)."""
+    items = [dataset[i % len(dataset)] for i in indices]
+    stack = lambda key: torch.stack([torch.as_tensor(it[key]) for it in items])  # noqa: E731
+    return stack("tokens").long(), stack("position_ids").long(), stack("labels").long(), stack("loss_mask").float()
