@@ -126,6 +126,12 @@ class MeCeFOEngine:
     def global_steps(self) -> int:
         return self.engine.global_steps
 
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:  # after loading a checkpoint
+        if self._plan is not None:
+            raise RuntimeError("set global_steps between steps only")
+        self.engine.global_steps = value
+
     def plan(self) -> StepPlan:
         """This step's plan (starts the step on first call)."""
         if self._plan is None:
@@ -214,6 +220,10 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
     cfg = mecefo or (MeCeFOConfig.from_args(args, config.get("mecefo")) if args is not None
                      else MeCeFOConfig.from_ds_config(config.get("mecefo")))
     check_ds_config(config, cfg)
+    if cfg.enable and cfg.lowrank_ffn:
+        from megatron_mecefo.layers.linear import check_lowrank_rank
+
+        check_lowrank_rank(model, cfg.rank)
     if cfg.trace is not None and train_iters is None:
         raise ValueError('mecefo "trace" needs initialize(..., train_iters=N) to lay out the failures')
     backend = "nccl" if torch.cuda.is_available() else "gloo"
