@@ -121,8 +121,9 @@ class MeCeFOConfig:
 
     trace: Optional[dict] = None
     """Trace-driven failures: {"mtbf_steps": M, "recovery_steps": R, "seed": S} (job-wide mean steps
-    between failures, steps a failed rank stays down), or {"scenario": "low"|"medium"|"high",
-    "steps_per_hour": H, "seed": S} for the paper's rates (MTBF 2/1/0.5 h, recovery 4/3/2 h).
+    between failures, steps a failed rank stays down), {"scenario": "low"|"medium"|"high",
+    "steps_per_hour": H, "seed": S} for the paper's rates (MTBF 2/1/0.5 h, recovery 4/3/2 h), or
+    {"events": [[rank, fail_step, rejoin_step], ...]} to replay a given trace.
     Needs mecefo-launch --restart-failed-after so failed ranks come back."""
 
     def __post_init__(self) -> None:
@@ -181,6 +182,14 @@ class MeCeFOConfig:
         if not isinstance(trace, dict):
             raise ValueError(f"{where} must be an object, got {trace!r}")
         trace = dict(trace)
+        if "events" in trace:  # a recorded / hand-made trace: [[rank, fail_step, rejoin_step], ...]
+            events = trace.pop("events")
+            if trace or not isinstance(events, list) or not all(
+                isinstance(e, (list, tuple)) and len(e) == 3 and all(isinstance(x, int) and x >= 0 for x in e) and e[2] > e[1]
+                for e in events
+            ):
+                raise ValueError(f'{where}: "events" must be a list of [rank, fail_step, rejoin_step] with rejoin > fail, alone')
+            return {"events": [list(e) for e in events]}
         seed = trace.pop("seed", 0)
         if "scenario" in trace:
             scenario, per_hour = trace.pop("scenario"), trace.pop("steps_per_hour", None)

@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# The main job: MeCeFO on CPU. 4 data-parallel ranks train a small LLaMA-style Megatron-Core GPT in
-# DeepSpeed engines; rank 1 is killed (SIGKILL) at step 60, its neighbour covers its micro-batches,
-# and it is restarted 6 s later and rejoins. Sets up .venv on first use. Writes runs/demo/
-# (per-step JSONL, recovery events, run.png). Extra arguments go to examples/tiny_gpt/train.py.
+# The main job: MeCeFO on CPU. 4 data-parallel ranks pretrain a small LLaMA-style Megatron-Core GPT
+# (examples/pretrain_gpt, on the Python standard library's sources) in DeepSpeed engines; rank 1 is
+# killed (SIGKILL) at step 60, its neighbour covers its micro-batches, and it is restarted 6 s later
+# and rejoins. Sets up .venv on first use. Writes runs/demo/ (per-step JSONL, recovery events,
+# run.png). Extra arguments go to examples/pretrain_gpt/pretrain_gpt.py.
 set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/env.sh"
 cd "$ROOT"
 OUT=runs/demo
 rm -rf "$OUT"
 export PYTHONWARNINGS=ignore
-mecefo-launch --nproc-per-node 4 --master-port 0 --restart-failed-after 6 examples/tiny_gpt/train.py \
-  --out "$OUT" --steps 300 --step-sleep 0.01 --log-interval 10 --mecefo-inject kill:1:60:backward "$@" 2>&1 \
-  | grep -v -E "^\[20[0-9-]+ [0-9:,]+\] \[(INFO|WARNING)\]|^\s*$"
-python examples/tiny_gpt/plot.py "$OUT"
+mecefo-launch --nproc-per-node 4 --master-port 0 --restart-failed-after 6 examples/pretrain_gpt/pretrain_gpt.py \
+  --deepspeed_config examples/pretrain_gpt/ds_config.json --mecefo --mecefo-log-dir "$OUT" \
+  --num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --normalization RMSNorm --swiglu \
+  --position-embedding-type rope --micro-batch-size 2 --global-batch-size 16 --train-iters 300 \
+  --lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 20 --eval-interval 100 --eval-iters 8 --log-interval 10 \
+  --mecefo-rank 32 --mecefo-inject kill:1:60:backward "$@" 2>&1 \
+  | grep -v -E "^\[20[0-9-]+ [0-9:,]+\] \[(INFO|WARNING)\]|^\s*$|legacy tokenizer"
+python examples/plot_run.py "$OUT"
 python - "$OUT" <<'PY'
 import json, sys, pathlib
 run = pathlib.Path(sys.argv[1])

@@ -67,6 +67,10 @@ def test_cover_policy_recompute_auto_follows_live_microbatches():
     assert not MeCeFOConfig(recompute_ffn="never").cover_policy(0, live_microbatches=4).recompute_ffn
 
 
+def test_trace_events_replay():
+    assert MeCeFOConfig(trace={"events": [[1, 5, 9], [2, 6, 10]]}).trace == {"events": [[1, 5, 9], [2, 6, 10]]}
+
+
 def test_trace_scenarios_scale_the_paper_rates():
     c = MeCeFOConfig(trace={"scenario": "high", "steps_per_hour": 20, "seed": 4})
     assert c.trace == {"mtbf_steps": 10.0, "recovery_steps": 40, "seed": 4}
@@ -82,6 +86,8 @@ def test_trace_scenarios_scale_the_paper_rates():
         ({"mtbf_steps": 5, "recovery_steps": 0}, "recovery_steps must be an integer >= 1"),
         ({"mtbf_steps": 5}, 'needs "mtbf_steps" and "recovery_steps"'),
         ("high", "must be an object"),
+        ({"events": [[1, 5, 3]]}, "rejoin > fail"),
+        ({"events": [[1, 5, 9]], "seed": 2}, "alone"),
     ],
 )
 def test_trace_errors_name_the_key(trace, message):

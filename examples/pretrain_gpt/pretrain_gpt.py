@@ -63,14 +63,18 @@ def parse_args(argv=None):
     return args
 
 
-def ds_config_for(args, world):
-    """The ds_config file (if any) completed by the Megatron-style flags; conflicts are errors."""
+def read_ds_config(args):
     import json
 
-    cfg = {}
-    if args.deepspeed_config:
-        with open(args.deepspeed_config) as f:
-            cfg = json.load(f)
+    if not args.deepspeed_config:
+        return {}
+    with open(args.deepspeed_config) as f:
+        return json.load(f)
+
+
+def ds_config_for(args, world):
+    """The ds_config file (if any) completed by the Megatron-style flags; conflicts are errors."""
+    cfg = read_ds_config(args)
     gbs = args.global_batch_size or args.micro_batch_size * world
     if gbs % (args.micro_batch_size * world):
         raise ValueError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size x ranks ({args.micro_batch_size * world})")
@@ -80,8 +84,8 @@ def ds_config_for(args, world):
         if key in cfg and cfg[key] != value:
             raise ValueError(f'ds_config "{key}"={cfg[key]} conflicts with the flags ({value})')
         cfg[key] = value
-    cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": args.weight_decay,
-                                                            "betas": [0.9, 0.95], "torch_adam": True}})
+    cfg.setdefault("optimizer", {"type": "AdamW", "params": {"betas": [0.9, 0.95], "torch_adam": True}})
+    cfg["optimizer"].setdefault("params", {}).update(lr=args.lr, weight_decay=args.weight_decay)  # the flags decide
     cfg.setdefault("gradient_clipping", args.clip_grad)
     cfg.setdefault("steps_per_print", 10 ** 9)
     if args.bf16:
@@ -161,7 +165,7 @@ def load_checkpoint(engine, args):
 
 def main(argv=None):
     args = parse_args(argv)
-    mecefo = MeCeFOConfig.from_args(args, None)  # validated before anything starts
+    mecefo = MeCeFOConfig.from_args(args, read_ds_config(args).get("mecefo"))  # validated before anything starts
     from megatron_mecefo.config import LaunchEnv, cache_root
     from megatron_mecefo.data.corpus import stdlib_corpus
     from megatron_mecefo.data.gpt import build_gpt_datasets, collate

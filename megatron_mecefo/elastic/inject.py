@@ -22,9 +22,9 @@ import os
 import random
 import signal
 import sys
-from typing import Iterable, List, Mapping, Optional
+from typing import Iterable, List, Mapping, Optional, Sequence
 
-__all__ = ["FaultInjector", "PHASES", "TraceEvent", "failure_trace", "PAPER_SCENARIOS"]
+__all__ = ["FaultInjector", "PHASES", "TraceEvent", "failure_trace", "trace_from_events", "PAPER_SCENARIOS"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,15 @@ class TraceEvent:
     rejoin_step: int
     incarnation: int
     """Which incarnation of `rank` fails here (0 = first start)."""
+
+
+def trace_from_events(events: Iterable[Sequence[int]]) -> List[TraceEvent]:
+    """TraceEvents from [rank, fail_step, rejoin_step] triples (incarnations numbered per rank)."""
+    out, seen = [], {}
+    for rank, fail, rejoin in sorted(((int(r), int(f), int(j)) for r, f, j in events), key=lambda e: (e[1], e[0])):
+        out.append(TraceEvent(rank, fail, rejoin, seen.get(rank, 0)))
+        seen[rank] = seen.get(rank, 0) + 1
+    return out
 
 
 def failure_trace(world: int, total_steps: int, mtbf_steps: float, recovery_steps: int, seed: int = 0) -> List[TraceEvent]:

@@ -35,7 +35,7 @@ import torch
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic import groups
 from megatron_mecefo.elastic.fold import Fold, FoldPolicy, MicroBatch, fold_neighbor
-from megatron_mecefo.elastic.inject import FaultInjector, failure_trace
+from megatron_mecefo.elastic.inject import FaultInjector, failure_trace, trace_from_events
 from megatron_mecefo.elastic.membership import Membership, connect_store
 from megatron_mecefo.elastic.topology import CoverPlan, Grid, plan_cover
 from megatron_mecefo.errors import MeCeFOError, NoCoverAvailable, NotAMember
@@ -146,7 +146,10 @@ class ElasticRuntime:
         if self.cfg.trace is None:
             return
         t = self.cfg.trace
-        self.trace = failure_trace(self.world, total_steps, t["mtbf_steps"], t["recovery_steps"], t["seed"])
+        if "events" in t:
+            self.trace = trace_from_events(t["events"])
+        else:
+            self.trace = failure_trace(self.world, total_steps, t["mtbf_steps"], t["recovery_steps"], t["seed"])
         self.injector.add_trace(self.trace)
 
     def _wait_for_rejoin_step(self) -> None:

@@ -45,3 +45,11 @@ def test_injector_fires_only_in_the_named_incarnation(monkeypatch):
     assert len(fired) == 2
     FaultInjector(rank=2, incarnation=0).add_trace(trace).maybe_fire(5, "backward")
     assert len(fired) == 2
+
+
+def test_trace_from_events_numbers_incarnations_per_rank():
+    from megatron_mecefo.elastic.inject import trace_from_events
+
+    assert trace_from_events([[1, 12, 20], [1, 5, 9], [2, 6, 10]]) == [
+        TraceEvent(1, 5, 9, 0), TraceEvent(2, 6, 10, 0), TraceEvent(1, 12, 20, 1),
+    ]

@@ -1,7 +1,7 @@
-"""Plot a run of examples/tiny_gpt/train.py: loss per step with degraded steps shaded, and the
+"""Plot a MeCeFO run (examples/tiny_gpt or examples/pretrain_gpt with a log dir): loss per step with degraded steps shaded, and the
 cover map over time (which replica ran whose micro-batches).
 
-    python examples/tiny_gpt/plot.py runs/demo        # writes runs/demo/run.png
+    python examples/plot_run.py runs/demo        # writes runs/demo/run.png
 """
 
 import json
@@ -48,7 +48,7 @@ def main(run: Path) -> Path:
     ax.plot([], [], color="tab:orange", alpha=0.4, lw=8, label="degraded: a neighbour covers a failed rank")
     ax.set_ylabel("loss")
     ax.legend(loc="upper right")
-    ax.set_title(f"MeCeFO tiny GPT: {world} data-parallel ranks, every step consumes the full global batch")
+    ax.set_title(f"MeCeFO: {world} data-parallel ranks, every step consumes the full global batch")
     ax2.imshow(grid, aspect="auto", interpolation="nearest", cmap=ListedColormap(["#d9ead3", "#cc0000", "#f6b26b"]),
                extent=(xs[0] - 0.5, xs[-1] + 0.5, world - 0.5, -0.5), vmin=0, vmax=2)
     ax2.set_yticks(range(world), [f"rank {d}" for d in range(world)])
