@@ -7,7 +7,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import os
 import sys
 import sysconfig
 from pathlib import Path

@@ -22,7 +22,7 @@ import os
 import random
 import signal
 import sys
-from typing import Iterable, List, Mapping, Optional, Sequence
+from typing import Iterable, List, Mapping, Sequence
 
 __all__ = ["FaultInjector", "PHASES", "TraceEvent", "failure_trace", "trace_from_events", "PAPER_SCENARIOS"]
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -121,7 +121,6 @@ def main(argv=None) -> int:
     ok_exits = 0
     while True:
         now = time.monotonic()
-        running = [r for r in ranks if r.proc is not None and r.proc.poll() is None]
         for r in ranks:
             if r.proc is None:
                 if r.restart_at is not None and now >= r.restart_at:

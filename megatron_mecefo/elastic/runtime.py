@@ -34,7 +34,7 @@ import torch
 
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic import groups
-from megatron_mecefo.elastic.fold import Fold, FoldPolicy, MicroBatch, fold_neighbor
+from megatron_mecefo.elastic.fold import Fold, FoldPolicy, fold_neighbor
 from megatron_mecefo.elastic.inject import FaultInjector, failure_trace, trace_from_events
 from megatron_mecefo.elastic.membership import Membership, connect_store
 from megatron_mecefo.elastic.topology import CoverPlan, Grid, plan_cover
