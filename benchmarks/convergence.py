@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 # recovery / MTBF = nodes down on average: 4h/2h = 2, 3h/1h = 3, 2h/0.5h = 4 of the paper's 32
 FRACTION = {"low": 2 / 32, "medium": 3 / 32, "high": 4 / 32}
 MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
-         "--micro-batch-size", "2", "--global-batch-size", "16", "--lr", "2e-3", "--min-lr", "2e-4",
+         "--micro-batch-size", "2", "--lr", "2e-3", "--min-lr", "2e-4",
          "--lr-decay-style", "cosine", "--lr-warmup-iters", "20", "--normalization", "RMSNorm", "--swiglu",
          "--position-embedding-type", "rope", "--seed", "1234"]
 
@@ -41,7 +41,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "
 def run(args, out: Path, extra):
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(args.ranks), "--master-port", "0",
            "--restart-failed-after", "0.5", "--max-restarts", "20", str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"),
-           *MODEL, "--train-iters", str(args.iters), "--eval-interval", str(args.iters), "--eval-iters", str(args.eval_iters),
+           *MODEL, "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.iters), "--eval-interval", str(args.iters), "--eval-iters", str(args.eval_iters),
            "--log-interval", "10", "--mecefo", "--mecefo-rank", "32", "--mecefo-log-dir", str(out), *extra]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
@@ -76,7 +76,7 @@ def aggregated_grad_error(args, ckpt: Path, batches=3, approximate="all"):
     import torch
     import torch.distributed as dist
 
-    sys.argv = ["pretrain_gpt.py", *MODEL, "--train-iters", str(args.iters)]
+    sys.argv = ["pretrain_gpt.py", *MODEL, "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.iters)]
     sys.path.insert(0, str(ROOT / "examples" / "pretrain_gpt"))
     import pretrain_gpt as pg
 
@@ -95,9 +95,9 @@ def aggregated_grad_error(args, ckpt: Path, batches=3, approximate="all"):
     model = pg.build_model(pargs)
     state = torch.load(ckpt, weights_only=False)
     model.load_state_dict(state["module"])
-    n, k, mb = args.ranks, 16 // (2 * args.ranks), 2
+    n, k, mb = args.ranks, args.global_batch_size // (2 * args.ranks), 2
     train, _ = build_gpt_datasets(stdlib_corpus(), seq_length=128, split="98,2,0", seed=pargs.seed,
-                                  train_samples=(args.iters + batches) * 16, valid_samples=16,
+                                  train_samples=(args.iters + batches) * args.global_batch_size, valid_samples=16,
                                   cache_dir=str(Path(cache_root()) / "index-cache"))
     cfg = MeCeFOConfig(enable=True, rank=32, approximate=approximate)
     fold = fold_neighbor(plan_cover(Grid(dp=n), [r for r in range(n) if r != 1]), k, approximate=approximate)
@@ -135,6 +135,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--global-batch-size", type=int, default=16, help="sequences per step (micro-batch 2)")
     p.add_argument("--eval-iters", type=int, default=16)
     p.add_argument("--recovery-steps", type=int, default=40)
     p.add_argument("--restart-lag-steps", type=int, default=20,
@@ -165,6 +166,7 @@ def main(argv=None):
     ff = results["fault_free"]["val_loss"]
     out = {
         "setup": {"job": "examples/pretrain_gpt/pretrain_gpt.py " + " ".join(MODEL), "ranks": args.ranks,
+                  "global_batch_size": args.global_batch_size,
                   "iters": args.iters, "scaling": "time-averaged fraction of ranks down = the paper's cluster-wide "
                   "fraction (6.25 / 9.4 / 12.5 %); each failure lasts recovery_steps; mean steps between failures "
                   "= recovery_steps / (fraction x ranks)"},
