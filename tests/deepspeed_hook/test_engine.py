@@ -99,7 +99,7 @@ def test_fold_is_exact_with_approximations_off(tmp_path):
 
 @pytest.mark.fault
 def test_rejoin_restores_model_and_optimizer(tmp_path):
-    n = 14  # long enough (fake compute) for the restarted rank to import and come back
+    n = 18  # long enough (fake compute) for the restarted rank to import and come back, with margin
     run(tmp_path, "--mecefo-inject", "kill:1:1:backward", "--step-sleep", "0.3", "--hash-params", restart_after=0.5, steps=n)
     check_replicas_identical_every_step(tmp_path)
     s = summaries(tmp_path, [0, 1, 2])
