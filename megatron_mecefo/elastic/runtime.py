@@ -123,6 +123,8 @@ class ElasticRuntime:
         self.step = 0
         self._error: Optional[BaseException] = None
         self._error_time: Optional[float] = None
+        self._error_wall: Optional[float] = None  # wall clock of the first error, for the event log
+        self._detected_wall: Optional[float] = None
         self._pending: Optional[tuple] = None  # (generation, candidates) to regroup into
         self._cover: Optional[CoverPlan] = None
         self._fold: Optional[Fold] = None
@@ -211,7 +213,7 @@ class ElasticRuntime:
             self._pending = None
             self._regroup(generation, candidates)
         self._error = None
-        self._error_time = None
+        self._error_time = self._error_wall = None
         self._t_step = time.monotonic()
 
     def plan(self) -> StepPlan:
@@ -295,7 +297,7 @@ class ElasticRuntime:
 
     def _recover(self) -> None:
         t_detect = self._error_time or time.monotonic()
-        self._detected_wall = getattr(self, "_error_wall", None) or time.time()
+        self._detected_wall = self._error_wall or time.time()
         t0 = time.monotonic()
         groups.destroy_group(self.group)
         self.group = None
@@ -334,7 +336,7 @@ class ElasticRuntime:
         self.events.write(
             "regroup", generation=generation, step=self.step, members=members,
             cover={str(k): v for k, v in cover.cover.items()}, joiners=joiners,
-            detected_at=getattr(self, "_detected_wall", None) if detected_at else None,
+            detected_at=self._detected_wall if detected_at else None,
             agreed_at=now - (t_done - t_agreed), regrouped_at=now,
             detect_to_recover_s=(t0 - detected_at) if detected_at else None,
             agree_s=t_agreed - t0, regroup_s=t_done - t_agreed,
