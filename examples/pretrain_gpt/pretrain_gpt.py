@@ -49,7 +49,10 @@ def parse_args(argv=None):
     a("--log-interval", type=int, default=10)
     a("--save", default=None); a("--load", default=None); a("--save-interval", type=int, default=None)
     a("--data-path", default=None, help="prefix of a .bin/.idx indexed dataset (default: the stdlib corpus)")
-    a("--split", default="98,2,0"); a("--tokenizer-type", choices=("ByteTokenizer",), default="ByteTokenizer")
+    a("--split", default="98,2,0"); a("--tokenizer-type", choices=("ByteTokenizer", "NullTokenizer"), default="ByteTokenizer",
+      help="ByteTokenizer (UTF-8 bytes; the stdlib corpus and our preprocess), or NullTokenizer: ids as they are "
+           "in --data-path, with --vocab-size (data made by Megatron's tools/preprocess_data.py)")
+    a("--vocab-size", type=int, default=None, help="NullTokenizer: the vocabulary size of the tokenizer that made the data")
     a("--make-vocab-size-divisible-by", type=int, default=64)
     a("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm"); a("--swiglu", action="store_true")
     a("--disable-bias-linear", action="store_true")
@@ -104,11 +107,11 @@ def lr_lambda(args):
 
 
 def build_model(args):
-    from megatron_mecefo.data.tokenizer import ByteTokenizer
+    from megatron_mecefo.data.tokenizer import build_tokenizer
     from megatron_mecefo.layers.model import build_gpt, llama_config
 
     d = args.make_vocab_size_divisible_by
-    vocab = -(-ByteTokenizer().vocab_size // d) * d
+    vocab = -(-build_tokenizer(args.tokenizer_type, args.vocab_size).vocab_size // d) * d
     config = llama_config(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size or (None if args.swiglu else 4 * args.hidden_size),
@@ -166,6 +169,13 @@ def load_checkpoint(engine, args):
 def main(argv=None):
     args = parse_args(argv)
     mecefo = MeCeFOConfig.from_args(args, read_ds_config(args).get("mecefo"))  # validated before anything starts
+    from megatron_mecefo.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    if args.tokenizer_type == "ByteTokenizer" and args.vocab_size is not None:
+        raise ValueError("--vocab-size is for --tokenizer-type NullTokenizer (the ByteTokenizer has 258 ids)")
+    if args.data_path is None and args.tokenizer_type != "ByteTokenizer":
+        raise ValueError("--tokenizer-type NullTokenizer needs --data-path (the built-in corpus is byte tokens)")
     from megatron_mecefo.config import LaunchEnv, cache_root
     from megatron_mecefo.data.corpus import stdlib_corpus
     from megatron_mecefo.data.gpt import build_gpt_datasets, collate
@@ -188,7 +198,7 @@ def main(argv=None):
     gbs, k = ds_config["train_batch_size"], ds_config["gradient_accumulation_steps"]
     train, valid = build_gpt_datasets(prefix, seq_length=args.seq_length, split=args.split, seed=args.seed,
                                       train_samples=args.train_iters * gbs, valid_samples=args.eval_iters * args.micro_batch_size,
-                                      cache_dir=os.path.join(cache_root(), "index-cache"))
+                                      cache_dir=os.path.join(cache_root(), "index-cache"), tokenizer=tokenizer)
     init_model_parallel(1, 1, seed=args.seed)
     model = build_model(args)
     sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))  # noqa: E731

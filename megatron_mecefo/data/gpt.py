@@ -19,16 +19,20 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron_mecefo.data.corpus import file_lock
 from megatron_mecefo.data.tokenizer import ByteTokenizer
 
-__all__ = ["build_gpt_datasets", "collate"]
+__all__ = ["build_gpt_datasets", "check_token_ids", "collate"]
 
 
 def build_gpt_datasets(data_prefix: str, *, seq_length: int, split: str, seed: int, train_samples: int,
-                       valid_samples: int, cache_dir: str) -> Tuple[GPTDataset, GPTDataset]:
-    """(train, valid) GPTDatasets over the indexed dataset at `data_prefix` (.bin/.idx).
+                       valid_samples: int, cache_dir: str, tokenizer=None) -> Tuple[GPTDataset, GPTDataset]:
+    """(train, valid) GPTDatasets over the indexed dataset at `data_prefix` (.bin/.idx), tokenized
+    by `tokenizer` (default: ByteTokenizer).
 
     Raises:
         FileNotFoundError: the .bin/.idx pair does not exist (before any training starts).
+        ValueError: the split leaves no training or validation data, or the first samples hold
+            token ids outside the tokenizer's vocabulary (see `check_token_ids`).
     """
+    tokenizer = tokenizer or ByteTokenizer()
     for suffix in (".bin", ".idx"):
         if not os.path.exists(data_prefix + suffix):
             raise FileNotFoundError(
@@ -37,7 +41,7 @@ def build_gpt_datasets(data_prefix: str, *, seq_length: int, split: str, seed: i
             )
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=([data_prefix], None), split=split,
-        tokenizer=ByteTokenizer(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False, path_to_cache=cache_dir, mmap_bin_files=True,
     )
     builder = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, valid_samples, 0], lambda: True, config)
@@ -48,7 +52,21 @@ def build_gpt_datasets(data_prefix: str, *, seq_length: int, split: str, seed: i
             train, valid, _ = builder.build()
     if train is None or valid is None:
         raise ValueError(f"--split {split} leaves no training or validation documents in {data_prefix}")
+    for dataset in (train, valid):
+        check_token_ids(dataset, tokenizer, data_prefix)
     return train, valid
+
+
+def check_token_ids(dataset, tokenizer, data_prefix: str, samples: int = 32) -> None:
+    """A token id at or above the vocabulary size would crash the embedding mid-run (a device-side
+    assert on GPU): look at the first `samples` samples before training starts."""
+    top = max(int(torch.as_tensor(dataset[i]["tokens"]).max()) for i in range(min(samples, len(dataset))))
+    if top >= tokenizer.vocab_size:
+        raise ValueError(
+            f"--data-path {data_prefix} holds token id {top}, but the {type(tokenizer).__name__}'s vocabulary has "
+            f"{tokenizer.vocab_size} ids: for data made by another tokenizer pass --tokenizer-type NullTokenizer "
+            "--vocab-size <that tokenizer's vocabulary size>"
+        )
 
 
 def collate(dataset, indices: Sequence[int]):

@@ -37,3 +37,17 @@ def test_jsonl_round_trip_and_errors(tmp_path):
         list(iter_documents(str(tmp_path / "x.csv")))
     with pytest.raises(SystemExit):
         main(["--input", str(tmp_path / "missing.txt"), "--output-prefix", str(tmp_path / "m")])
+
+
+def test_tokenizers_named_by_tokenizer_type():
+    from megatron_mecefo.data.tokenizer import build_tokenizer
+
+    byte = build_tokenizer("ByteTokenizer")
+    assert (byte.vocab_size, byte.eod) == (258, 256)
+    null = build_tokenizer("NullTokenizer", 50257)
+    assert (null.vocab_size, null.eod) == (50258, 50257)  # Megatron-LM's convention: eod = V
+    assert null.tokenize("5 7 11") == [5, 7, 11] and null.detokenize([5, 7]) == "5 7"
+    with pytest.raises(ValueError, match="needs --vocab-size"):
+        build_tokenizer("NullTokenizer")
+    with pytest.raises(ValueError, match="--tokenizer-type must be one of"):
+        build_tokenizer("GPT2BPETokenizer")

@@ -77,6 +77,36 @@ def test_trains_on_a_preprocessed_file(tmp_path):
     assert len(v) == 1 and v[0] < 5.0
 
 
+def _foreign_token_dataset(prefix):
+    """A .bin/.idx as another tokenizer would write it (ids up to 999, end-of-document 1000): every
+    document repeats one of a few id patterns, so the model can learn them."""
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=numpy.int32)
+    rng = numpy.random.default_rng(0)
+    patterns = rng.integers(0, 1000, size=(4, 7))
+    for i in range(80):
+        pattern = patterns[i % 4]
+        builder.add_item(torch.from_numpy(numpy.append(numpy.tile(pattern, 30), 1000)))
+        builder.end_document()
+    builder.finalize(str(prefix) + ".idx")
+
+
+def test_trains_on_data_of_another_tokenizer_with_the_null_tokenizer(tmp_path):
+    prefix = tmp_path / "data" / "ids"
+    _foreign_token_dataset(prefix)
+    common = ["--train-iters", "12", "--eval-interval", "6", "--mecefo", "--data-path", str(prefix), "--split", "90,10,0"]
+    bad = pretrain(tmp_path, 1, *common, expect=2)  # the default ByteTokenizer has 258 ids
+    assert "holds token id" in bad.stderr and "--tokenizer-type NullTokenizer" in bad.stderr, bad.stderr[-2000:]
+    assert "iteration" not in bad.stdout
+    out = pretrain(tmp_path, 2, *common, "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--lr", "3e-3").stdout
+    v = valid_loss(out)
+    assert len(v) == 2 and v[1] < v[0] < 8.0  # ln(1024) = 6.9 at init; it learns
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -84,6 +114,8 @@ def test_trains_on_a_preprocessed_file(tmp_path):
         (["--mecefo", "--mecefo-rank", "0"], "--mecefo-rank must be an integer >= 1"),
         (["--mecefo", "--deepspeed_config", "ZERO1"], '"zero_optimization.stage"=1 is not supported with MeCeFO'),
         (["--mecefo", "--mecefo-rank", "64"], "mecefo.rank=64 is out of range for FFN weight"),
+        (["--tokenizer-type", "NullTokenizer"], "needs --vocab-size >= 1"),
+        (["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"], "needs --data-path"),
     ],
 )
 def test_bad_input_stops_before_training(tmp_path, extra, message):
@@ -94,3 +126,33 @@ def test_bad_input_stops_before_training(tmp_path, extra, message):
     proc = pretrain(tmp_path, 1, "--train-iters", "5", *extra, expect=2)
     assert message in proc.stderr
     assert "iteration" not in proc.stdout
+
+
+@pytest.mark.fault
+def test_under_the_deepspeed_launcher_with_the_shipped_config(tmp_path):
+    """`deepspeed pretrain_gpt.py --deepspeed_config ds_config.json --mecefo`: 3 ranks, rank 1 killed
+    at step 3; the survivors finish every step on the whole global batch."""
+    import socket
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = json.loads((ROOT / "examples/pretrain_gpt/ds_config.json").read_text())
+    assert cfg["mecefo"]["rank"] == 64
+    cfg["mecefo"].update(rank=16, log_dir=str(tmp_path / "logs"))  # hidden 64 here: r < 64
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    drop = {"--mecefo-rank", "--global-batch-size"}  # the rank comes from the config; 3 ranks need 12
+    args = [a for i, a in enumerate(SMALL) if a not in drop and (i == 0 or SMALL[i - 1] not in drop)]
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "3", "--master_port", str(port),
+           str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"), *args, "--global-batch-size", "12",
+           "--train-iters", "8", "--eval-interval", "8", "--deepspeed_config", str(tmp_path / "ds.json"),
+           "--mecefo", "--mecefo-inject", "kill:1:3"]
+    proc = run_launcher(cmd, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "cover 1->2" in proc.stdout
+    assert len(valid_loss(proc.stdout)) == 1
+    steps = [json.loads(l) for l in (tmp_path / "logs" / "steps_rank0.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(8))
+    assert all(s["samples"] == 12 for s in steps)
+    assert all(s["degraded"] for s in steps[3:]) and not any(s["degraded"] for s in steps[:3])
