@@ -70,6 +70,16 @@ def log_iteration(engine, total, t_last, interval=1):
     )
 
 
+def build_model():
+    from megatron_mecefo.layers.model import build_gpt, llama_config
+
+    return build_gpt(llama_config(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96),
+                     vocab_size=VOCAB, seq_length=SEQ, seed=3)
+
+
+MECEFO = {"rank": 8, "tau": 2}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6)
@@ -79,26 +89,35 @@ def main():
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help="set by the deepspeed launcher")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of fake compute per micro-batch")
+    p.add_argument("--dump-step", type=int, default=None,
+                   help="save the parameters and the reduced gradients just before this step's optimizer update")
     MeCeFOConfig.add_cli_args(p)
     args = p.parse_args()
     from megatron_mecefo.deepspeed_hook import init_distributed, initialize
-    from megatron_mecefo.layers.model import build_gpt, init_model_parallel, llama_config
+    from megatron_mecefo.layers.model import init_model_parallel
 
     job = init_distributed()
     init_model_parallel(1, 1, seed=3)
-    model = build_gpt(llama_config(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96),
-                      vocab_size=VOCAB, seq_length=SEQ, seed=3)
+    model = build_model()
     ds_config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
         "zero_optimization": {"stage": 0},
         "steps_per_print": 10_000,
-        "mecefo": {"enable": not args.no_mecefo, "rank": 8, "tau": 2, "log_dir": str(args.out)},
+        "mecefo": {"enable": not args.no_mecefo, **MECEFO, "log_dir": str(args.out)},
     }
     try:
         engine = initialize(model=model, config=ds_config, args=args, train_iters=args.steps)
         world, k, mb_size = job.world, engine.runtime.k, engine.micro_batch_size
+        if args.dump_step is not None:
+            def dump(optimizer, *_):  # runs inside the optimizer step: p.grad is the reduced gradient
+                if engine.global_steps == args.dump_step:
+                    m = engine.module
+                    torch.save({"params": {n: q.detach().clone() for n, q in m.named_parameters()},
+                                "grads": {n: q.grad.detach().clone() for n, q in m.named_parameters()}},
+                               args.out / f"dump_rank{job.rank}.pt")
+            engine.optimizer.register_step_pre_hook(dump)
         t_last, degraded = time.monotonic(), False
         while engine.global_steps < args.steps:
             if args.hash_params:  # replicas must be bit-identical at the start of every step

@@ -139,3 +139,61 @@ def test_under_the_deepspeed_launcher(tmp_path):
     assert s[0]["param_sha256"] == s[2]["param_sha256"] and s[0]["steps"] == STEPS
     assert not (tmp_path / "final_rank1.json").exists()
     check_accounting(tmp_path)
+
+
+def _tiny_gpt_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tiny_gpt_train", ROOT / "examples/tiny_gpt/train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.fault
+def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world):
+    """With the approximations on, the gradient the survivors apply at a degraded step is MeCeFO's,
+    recomputed here in one process from the same weights and data: the covering rank's own and
+    adopted micro-batches in covering mode, attention parameters averaged over the non-covering
+    ranks' micro-batches only, every other parameter over the whole global batch."""
+    from megatron_mecefo import covering
+    from megatron_mecefo.elastic import Grid, fold_neighbor, plan_cover, sample_range
+    from megatron_mecefo.params import GradGroup, grad_group
+
+    step = 4  # rank 2 covers from step 2; with tau = 2 its basis is recomputed at step 4 from these weights
+    run(tmp_path, "--mecefo-inject", "kill:1:2:backward", "--dump-step", str(step))
+    dumps = {r: torch.load(tmp_path / f"dump_rank{r}.pt") for r in (0, 2)}
+    for name, g in dumps[0]["grads"].items():
+        assert torch.equal(g, dumps[2]["grads"][name]), name
+
+    train = _tiny_gpt_module()
+    model = train.build_model()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(dumps[0]["params"][name])
+    cfg = MeCeFOConfig(enable=True, **train.MECEFO)
+    fold = fold_neighbor(plan_cover(Grid(dp=3), [0, 2]), 2)
+
+    def fold_gradient(approximate):
+        model.zero_grad(set_to_none=True)
+        for mbs in fold.assignments.values():
+            for m in mbs:
+                tokens, pos, labels = train.batch(sample_range(step, m.replica, m.index, micro_batch_size=2, dp=3, k=2))
+                with covering(model, cfg.cover_policy(step) if approximate and m.covering else None):
+                    loss = model(tokens, pos, None, labels=labels).float().mean()
+                loss.backward()
+        out = {}
+        for name, p in model.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            mha = grad_group(p) is GradGroup.MHA
+            out[name] = g / (fold.divisor_mha if (approximate and mha) else fold.divisor)
+        return out
+
+    flat = lambda d: torch.cat([v.flatten() for v in d.values()])  # noqa: E731
+    expected, exact = fold_gradient(True), fold_gradient(False)
+    clip = min(1.0, 1.0 / (torch.linalg.norm(flat(expected)).item() + 1e-6))  # DeepSpeed's default gradient_clipping 1.0
+    for name, g in dumps[0]["grads"].items():
+        torch.testing.assert_close(g, expected[name] * clip, rtol=1e-4, atol=1e-6, msg=name)
+    exact = {name: g * min(1.0, 1.0 / (torch.linalg.norm(flat(exact)).item() + 1e-6)) for name, g in exact.items()}
+    err = (torch.linalg.norm(flat(dumps[0]["grads"]) - flat(exact)) / torch.linalg.norm(flat(exact))).item()
+    assert err > 0.05, "the covering rank approximated: the applied gradient is not the exact one"
