@@ -46,15 +46,18 @@ sys.path.insert(0, str(ROOT))
 # recovery / MTBF = nodes down on average: 4h/2h = 2, 3h/1h = 3, 2h/0.5h = 4 of the paper's 32
 FRACTION = {"low": 2 / 32, "medium": 3 / 32, "high": 4 / 32}
 MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
-         "--micro-batch-size", "2", "--lr", "2e-3", "--min-lr", "2e-4",
-         "--lr-decay-style", "cosine", "--lr-warmup-iters", "20", "--normalization", "RMSNorm", "--swiglu",
+         "--micro-batch-size", "2", "--lr-decay-style", "cosine", "--lr-warmup-iters", "20", "--normalization", "RMSNorm", "--swiglu",
          "--position-embedding-type", "rope"]
+
+
+def lr_flags(args):
+    return ["--lr", str(args.lr), "--min-lr", str(args.lr / 10)]
 
 
 def run(args, out: Path, extra, seed: int):
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(args.ranks), "--master-port", "0",
            "--restart-failed-after", "0.5", "--max-restarts", "20", str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"),
-           *MODEL, "--seed", str(seed), "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.iters), "--eval-interval", str(args.iters), "--eval-iters", str(args.eval_iters),
+           *MODEL, *lr_flags(args), "--seed", str(seed), "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.iters), "--eval-interval", str(args.iters), "--eval-iters", str(args.eval_iters),
            "--log-interval", "10", "--mecefo", "--mecefo-rank", str(args.mecefo_rank), "--mecefo-log-dir", str(out), *extra]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600, check=False)
@@ -102,7 +105,7 @@ def aggregated_grad_error(args, ckpt: Path, batches=3, approximate="all", replic
     import torch
     import torch.distributed as dist
 
-    sys.argv = ["pretrain_gpt.py", *MODEL, "--seed", str(args.seeds[0]), "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.iters)]
+    sys.argv = ["pretrain_gpt.py", *MODEL, *lr_flags(args), "--seed", str(args.seeds[0]), "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.iters)]
     sys.path.insert(0, str(ROOT / "examples" / "pretrain_gpt"))
     import pretrain_gpt as pg
 
@@ -167,6 +170,7 @@ def main(argv=None):
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--global-batch-size", type=int, default=16, help="sequences per step (micro-batch 2)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay to a tenth)")
     p.add_argument("--eval-iters", type=int, default=128, help="validation micro-batches (128 x 2 x 128 tokens)")
     p.add_argument("--mecefo-rank", type=int, default=32, help="r of the low-rank FFN gradient (32 of hidden 128)")
     p.add_argument("--recovery-steps", type=int, default=60,
@@ -217,7 +221,7 @@ def main(argv=None):
 
     train_diffs = {name: {seed: tail(r) / tail(runs["fault_free"][seed]) - 1 for seed, r in runs[name].items()} for name in runs}
     out = {
-        "setup": {"job": "examples/pretrain_gpt/pretrain_gpt.py " + " ".join(MODEL), "ranks": args.ranks,
+        "setup": {"job": "examples/pretrain_gpt/pretrain_gpt.py " + " ".join(MODEL + lr_flags(args)), "ranks": args.ranks,
                   "global_batch_size": args.global_batch_size, "mecefo_rank": args.mecefo_rank,
                   "iters": args.iters, "seeds": args.seeds,
                   "scaling": "time-averaged fraction of ranks down = the paper's cluster-wide "
@@ -270,7 +274,8 @@ def plot(out, path):
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (10-step mean)")
     ff = out["runs"]["fault_free"][seed]["loss_curve"]
-    ax.set_ylim(min(ff) - 0.1, ff[len(ff) // 6] + 0.1)  # the part after the steep start, where the runs differ
+    ff = [sum(ff[max(0, i - 9):i + 1]) / len(ff[max(0, i - 9):i + 1]) for i in range(len(ff))]
+    ax.set_ylim(min(ff) - 0.05, ff[len(ff) // 6] + 0.05)  # the part after the steep start, where the runs differ
     ax.set_title(f"fault-free vs the paper's failure rates, {out['setup']['ranks']} ranks, seed {seed}")
     ax.legend(fontsize=8)
     names = [n for n in out["runs"] if n != "fault_free"]
