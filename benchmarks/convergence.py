@@ -109,11 +109,11 @@ def aggregated_grad_error(args, ckpt: Path, batches=3, approximate="all", replic
     sys.path.insert(0, str(ROOT / "examples" / "pretrain_gpt"))
     import pretrain_gpt as pg
 
-    from megatron_mecefo import MeCeFOConfig, covering
+    from megatron_mecefo import MeCeFOConfig
     from megatron_mecefo.config import cache_root
     from megatron_mecefo.data.corpus import stdlib_corpus
     from megatron_mecefo.data.gpt import build_gpt_datasets, collate
-    from megatron_mecefo.elastic import Grid, fold_neighbor, plan_cover, sample_range
+    from megatron_mecefo.elastic import Grid, fold_neighbor, plan_cover, reference_gradient, sample_range
     from megatron_mecefo.layers.model import init_model_parallel
     from megatron_mecefo.params import GradGroup, grad_group
 
@@ -135,23 +135,15 @@ def aggregated_grad_error(args, ckpt: Path, batches=3, approximate="all", replic
     failed = failed_replicas(n, FRACTION["high"])
     fold = fold_neighbor(plan_cover(Grid(dp=n), [r for r in range(n) if r not in failed]), k, approximate=approximate)
 
+    groups = {name: "mha" if grad_group(p) is GradGroup.MHA else "other" for name, p in model.named_parameters()}
+
     def grads(step, approximate):
-        model.zero_grad(set_to_none=True)
-        for mbs in fold.assignments.values():
-            for m in mbs:
-                batch = collate(train, sample_range(step, m.replica, m.index, micro_batch_size=mb, dp=n, k=k))
-                policy = cfg.cover_policy(step) if (approximate and m.covering) else None
-                with covering(model, policy):
-                    tokens, pos, labels, mask = batch
-                    loss = (model(tokens, pos, None, labels=labels).float() * mask).sum() / mask.sum()
-                loss.backward()
-        out = {"mha": [], "other": []}
-        for p in model.parameters():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            mha = grad_group(p) is GradGroup.MHA
-            div = (fold.divisor_mha if approximate else fold.divisor) if mha else fold.divisor
-            out["mha" if mha else "other"].append((g / div).flatten())
-        return {key: torch.cat(v) for key, v in out.items()}
+        def loss_of(m):
+            tokens, pos, labels, mask = collate(train, sample_range(step, m.replica, m.index, micro_batch_size=mb, dp=n, k=k))
+            return (model(tokens, pos, None, labels=labels).float() * mask).sum() / mask.sum()
+
+        g = reference_gradient(model, fold, loss_of, cfg.cover_policy(step) if approximate else None)
+        return {key: torch.cat([v.flatten() for name, v in g.items() if groups[name] == key]) for key in ("mha", "other")}
 
     def rel(a, b):
         return (torch.linalg.norm(a - b) / torch.linalg.norm(b)).item()

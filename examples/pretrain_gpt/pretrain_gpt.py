@@ -35,6 +35,8 @@ from megatron_mecefo.errors import JobFinished, NoCoverAvailable
 def parse_args(argv=None):
     import deepspeed
 
+    from megatron_mecefo.data.tokenizer import TOKENIZERS
+
     p = argparse.ArgumentParser(description="GPT pretraining with MeCeFO")
     a = p.add_argument
     a("--num-layers", type=int, default=2); a("--hidden-size", type=int, default=128)
@@ -49,7 +51,7 @@ def parse_args(argv=None):
     a("--log-interval", type=int, default=10)
     a("--save", default=None); a("--load", default=None); a("--save-interval", type=int, default=None)
     a("--data-path", default=None, help="prefix of a .bin/.idx indexed dataset (default: the stdlib corpus)")
-    a("--split", default="98,2,0"); a("--tokenizer-type", choices=("ByteTokenizer", "NullTokenizer"), default="ByteTokenizer",
+    a("--split", default="98,2,0"); a("--tokenizer-type", choices=TOKENIZERS, default="ByteTokenizer",
       help="ByteTokenizer (UTF-8 bytes; the stdlib corpus and our preprocess), or NullTokenizer: ids as they are "
            "in --data-path, with --vocab-size (data made by Megatron's tools/preprocess_data.py)")
     a("--vocab-size", type=int, default=None, help="NullTokenizer: the vocabulary size of the tokenizer that made the data")

@@ -156,9 +156,7 @@ def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world):
     recomputed here in one process from the same weights and data: the covering rank's own and
     adopted micro-batches in covering mode, attention parameters averaged over the non-covering
     ranks' micro-batches only, every other parameter over the whole global batch."""
-    from megatron_mecefo import covering
-    from megatron_mecefo.elastic import Grid, fold_neighbor, plan_cover, sample_range
-    from megatron_mecefo.params import GradGroup, grad_group
+    from megatron_mecefo.elastic import Grid, fold_neighbor, plan_cover, reference_gradient, sample_range
 
     step = 4  # rank 2 covers from step 2; with tau = 2 its basis is recomputed at step 4 from these weights
     run(tmp_path, "--mecefo-inject", "kill:1:2:backward", "--dump-step", str(step))
@@ -174,23 +172,12 @@ def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world):
     cfg = MeCeFOConfig(enable=True, **train.MECEFO)
     fold = fold_neighbor(plan_cover(Grid(dp=3), [0, 2]), 2)
 
-    def fold_gradient(approximate):
-        model.zero_grad(set_to_none=True)
-        for mbs in fold.assignments.values():
-            for m in mbs:
-                tokens, pos, labels = train.batch(sample_range(step, m.replica, m.index, micro_batch_size=2, dp=3, k=2))
-                with covering(model, cfg.cover_policy(step) if approximate and m.covering else None):
-                    loss = model(tokens, pos, None, labels=labels).float().mean()
-                loss.backward()
-        out = {}
-        for name, p in model.named_parameters():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            mha = grad_group(p) is GradGroup.MHA
-            out[name] = g / (fold.divisor_mha if (approximate and mha) else fold.divisor)
-        return out
+    def loss_of(m):
+        tokens, pos, labels = train.batch(sample_range(step, m.replica, m.index, micro_batch_size=2, dp=3, k=2))
+        return model(tokens, pos, None, labels=labels).float().mean()
 
     flat = lambda d: torch.cat([v.flatten() for v in d.values()])  # noqa: E731
-    expected, exact = fold_gradient(True), fold_gradient(False)
+    expected, exact = reference_gradient(model, fold, loss_of, cfg.cover_policy(step)), reference_gradient(model, fold, loss_of)
     clip = min(1.0, 1.0 / (torch.linalg.norm(flat(expected)).item() + 1e-6))  # DeepSpeed's default gradient_clipping 1.0
     for name, g in dumps[0]["grads"].items():
         torch.testing.assert_close(g, expected[name] * clip, rtol=1e-4, atol=1e-6, msg=name)
