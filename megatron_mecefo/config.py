@@ -20,7 +20,7 @@ __all__ = ["MeCeFOConfig", "LaunchEnv", "prepare_nccl_error_handling", "RECOMPUT
 
 RECOMPUTE_CHOICES = ("auto", "always", "never")
 INJECT_KINDS = ("kill", "hang")
-INJECT_PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery")
+INJECT_PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "join", "transfer")
 APPROXIMATE_CHOICES = ("all", "adopted")
 
 
@@ -114,10 +114,14 @@ class MeCeFOConfig:
     """How long a restarted rank waits to be let back in."""
     log_dir: Optional[str] = None
     """Directory of the per-step and recovery-event JSONL logs (None: no files)."""
+    log_param_hash: bool = False
+    """Record a SHA-256 of the parameters at the start of every step in steps_rank{R}.jsonl, to
+    check that replicas stay bit-identical (costs one pass over the parameters per step)."""
     inject: tuple = ()
     """Failure injection for tests and demos: a list of {"kind": "kill"|"hang", "rank": R,
-    "step": S, "phase": "forward"|"backward"|"allreduce"|"optimizer"|"recovery"}; fires in a rank's first
-    incarnation only. CLI: --mecefo-inject kill:RANK:STEP[:PHASE] (repeatable)."""
+    "step": S (or "*": any step), "phase": "forward"|"backward"|"allreduce"|"optimizer"|"recovery"|
+    "join"|"transfer", "incarnation": I (default 0: the first start)}. CLI: --mecefo-inject
+    kill:RANK:STEP[:PHASE[:INCARNATION]] (repeatable)."""
 
     trace: Optional[dict] = None
     """Trace-driven failures: {"mtbf_steps": M, "recovery_steps": R, "seed": S} (job-wide mean steps
@@ -127,7 +131,7 @@ class MeCeFOConfig:
     Needs mecefo-launch --restart-failed-after so failed ranks come back."""
 
     def __post_init__(self) -> None:
-        self._check_bool("enable", "skip_attention", "lowrank_ffn")
+        self._check_bool("enable", "skip_attention", "lowrank_ffn", "log_param_hash")
         self._check_int_range("rank", 1)
         self._check_int_range("tau", 1)
         self._check_int_range("svd_exact_max_dim", 1)
@@ -216,27 +220,32 @@ class MeCeFOConfig:
             rules = [rules]
         out = []
         for rule in rules:
-            if isinstance(rule, str):  # CLI form kind:rank:step[:phase]
+            if isinstance(rule, str):  # CLI form kind:rank:step[:phase[:incarnation]]
                 parts = rule.split(":")
-                if len(parts) not in (3, 4):
-                    raise ValueError(f"{self._where('inject')}: {rule!r} is not kind:rank:step[:phase]")
-                rule = dict(zip(("kind", "rank", "step", "phase"), parts))
+                if len(parts) not in (3, 4, 5):
+                    raise ValueError(f"{self._where('inject')}: {rule!r} is not kind:rank:step[:phase[:incarnation]]")
+                rule = dict(zip(("kind", "rank", "step", "phase", "incarnation"), parts))
                 try:
-                    rule["rank"], rule["step"] = int(rule["rank"]), int(rule["step"])
+                    rule["rank"] = int(rule["rank"])
+                    rule["step"] = "*" if rule["step"] == "*" else int(rule["step"])
+                    if "incarnation" in rule:
+                        rule["incarnation"] = int(rule["incarnation"])
                 except ValueError:
-                    raise ValueError(f"{self._where('inject')}: rank and step of {parts} must be integers") from None
+                    raise ValueError(f"{self._where('inject')}: rank, step (or *) and incarnation of {parts} must be integers") from None
             if not isinstance(rule, dict):
                 raise ValueError(f"{self._where('inject')} entries must be objects, got {rule!r}")
-            unknown = set(rule) - {"kind", "rank", "step", "phase"}
+            unknown = set(rule) - {"kind", "rank", "step", "phase", "incarnation"}
             if unknown:
                 raise ValueError(f"{self._where('inject')}: unknown field(s) {sorted(unknown)} in {rule!r}")
-            rule = {"phase": "backward", **rule}
+            rule = {"phase": "backward", "incarnation": 0, **rule}
             if rule.get("kind") not in INJECT_KINDS:
                 raise ValueError(f"{self._where('inject')}: kind must be one of {INJECT_KINDS}, got {rule.get('kind')!r}")
             if rule["phase"] not in INJECT_PHASES:
                 raise ValueError(f"{self._where('inject')}: phase must be one of {INJECT_PHASES}, got {rule['phase']!r}")
-            for f in ("rank", "step"):
+            for f in ("rank", "step", "incarnation"):
                 v = rule.get(f)
+                if f == "step" and v == "*":
+                    continue
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                     raise ValueError(f"{self._where('inject')}: {f} must be an integer >= 0, got {v!r}")
             out.append(rule)
@@ -305,8 +314,11 @@ class MeCeFOConfig:
         g.add_argument("--mecefo-agree-timeout-s", type=float, default=None, help="agreement deadline (120)")
         g.add_argument("--mecefo-join-timeout-s", type=float, default=None, help="rejoin deadline (600)")
         g.add_argument("--mecefo-log-dir", default=None, help="directory of the JSONL logs")
-        g.add_argument("--mecefo-inject", action="append", default=None, metavar="KIND:RANK:STEP[:PHASE]",
-                       help="inject a failure: kill|hang rank RANK at step STEP in phase (backward)")
+        g.add_argument("--mecefo-log-param-hash", action="store_true", default=None,
+                       help="record a hash of the parameters at every step (replica identity checks)")
+        g.add_argument("--mecefo-inject", action="append", default=None, metavar="KIND:RANK:STEP[:PHASE[:INCARNATION]]",
+                       help="inject a failure: kill|hang rank RANK at step STEP (* = any) in phase (backward) of "
+                            "incarnation (0)")
         g.add_argument("--mecefo-trace", type=json.loads, default=None, metavar="JSON",
                        help='trace-driven failures, e.g. \'{"scenario": "high", "steps_per_hour": 20}\'')
         return parser

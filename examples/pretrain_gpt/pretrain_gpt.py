@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_mecefo.config import MeCeFOConfig
-from megatron_mecefo.errors import JobFinished, NoCoverAvailable
+from megatron_mecefo.errors import GAVE_UP_EXIT_CODE, GaveUp, JobFinished, NotAMember
 
 
 def parse_args(argv=None):
@@ -146,26 +146,24 @@ def evaluate(model, valid, args):
     return sum(losses) / len(losses)
 
 
-def save_checkpoint(engine, args, iteration):
-    path = Path(args.save) / f"iter_{iteration:07d}"
-    path.mkdir(parents=True, exist_ok=True)
-    torch.save({"iteration": iteration, "module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
-                "lr_scheduler": engine.lr_scheduler.state_dict()}, path / "model_optim.pt")
-    (Path(args.save) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-    print(f" saved checkpoint at iteration {iteration:8d} to {args.save}", flush=True)
+def save_checkpoint(engine, args, iteration, quiet=False):
+    """DeepSpeed's checkpoint layout (save/global_step{N}/, `latest`), as Megatron-DeepSpeed writes it,
+    plus Megatron's latest_checkpointed_iteration.txt. The same function writes the checkpoint of a
+    job that gives up (initialize(save_dir=...))."""
+    from megatron_mecefo.deepspeed_hook import save_checkpoint as ds_save
+
+    ds_save(engine, args.save)
+    if not quiet:
+        print(f" saved checkpoint at iteration {iteration:8d} to {args.save}", flush=True)
 
 
 def load_checkpoint(engine, args):
-    marker = Path(args.load) / "latest_checkpointed_iteration.txt"
-    if not marker.exists():
-        raise FileNotFoundError(f"--load {args.load}: no latest_checkpointed_iteration.txt")
-    it = int(marker.read_text())
-    state = torch.load(Path(args.load) / f"iter_{it:07d}" / "model_optim.pt", weights_only=False)
-    engine.module.load_state_dict(state["module"])
-    engine.optimizer.load_state_dict(state["optimizer"])
-    engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    engine.global_steps = it
-    return it
+    if not (Path(args.load) / "latest").exists():
+        raise FileNotFoundError(f"--load {args.load}: no DeepSpeed checkpoint (no 'latest' file)")
+    path, client = engine.load_checkpoint(args.load)
+    if path is None:
+        raise FileNotFoundError(f"--load {args.load}: the checkpoint could not be loaded")
+    return client["iteration"]
 
 
 def main(argv=None):
@@ -208,7 +206,8 @@ def main(argv=None):
         from megatron_mecefo.deepspeed_hook import initialize
 
         ds_config["mecefo"] = mecefo.to_dict()
-        engine = initialize(model=model, config=ds_config, mecefo=mecefo, lr_scheduler=sched, train_iters=args.train_iters)
+        engine = initialize(model=model, config=ds_config, mecefo=mecefo, lr_scheduler=sched, train_iters=args.train_iters,
+                            save_dir=args.save)
         rt = engine.runtime
     else:
         import deepspeed
@@ -218,7 +217,7 @@ def main(argv=None):
         engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config, mpu=MegatronMPU(), lr_scheduler=sched,
                                                model_parameters=model.parameters())
         rt = None
-    if args.load:
+    if args.load and not (rt is not None and rt.rejoined):  # a rejoined rank has the live state already
         load_checkpoint(engine, args)
     is_logger = lambda: (rt is None and env.rank == 0) or (rt is not None and env.rank == min(rt.members))  # noqa: E731
     t_last, losses = time.monotonic(), []
@@ -246,8 +245,9 @@ def main(argv=None):
         losses = []
         if is_logger() and (it % args.eval_interval == 0 or it == args.train_iters):
             print(f" validation loss at iteration {it} | lm loss value: {evaluate(engine.module, valid, args):.6E} |", flush=True)
-        if args.save and is_logger() and ((args.save_interval and it % args.save_interval == 0) or it == args.train_iters):
-            save_checkpoint(engine, args, it)
+        # plain DeepSpeed: every rank calls save_checkpoint (it has barriers); MeCeFO: one replica writes
+        if args.save and (rt is None or is_logger()) and ((args.save_interval and it % args.save_interval == 0) or it == args.train_iters):
+            save_checkpoint(engine, args, it, quiet=not is_logger())
     if rt is not None:
         engine.close()
 
@@ -257,9 +257,13 @@ if __name__ == "__main__":
         main()
     except JobFinished as e:
         print(f"MeCeFO: {e}", file=sys.stderr)
-    except NoCoverAvailable as e:
-        print(f"MeCeFO: cannot continue: {e}", file=sys.stderr)
-        sys.exit(3)
+    except GaveUp as e:
+        where = f"checkpoint of the last committed step written to {e.checkpoint}" if e.checkpoint else "no checkpoint written here"
+        print(f"MeCeFO: cannot continue: {e} ({where})", file=sys.stderr)
+        sys.exit(GAVE_UP_EXIT_CODE)
+    except NotAMember as e:
+        print(f"MeCeFO: {e}", file=sys.stderr)
+        sys.exit(1)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

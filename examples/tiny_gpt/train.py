@@ -32,7 +32,7 @@ import torch
 
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic.fold import sample_range
-from megatron_mecefo.errors import JobFinished, NoCoverAvailable
+from megatron_mecefo.errors import GAVE_UP_EXIT_CODE, GaveUp, JobFinished
 
 VOCAB, SEQ = 128, 16
 
@@ -108,7 +108,8 @@ def main():
         "mecefo": {"enable": not args.no_mecefo, **MECEFO, "log_dir": str(args.out)},
     }
     try:
-        engine = initialize(model=model, config=ds_config, args=args, train_iters=args.steps)
+        engine = initialize(model=model, config=ds_config, args=args, train_iters=args.steps,
+                            save_dir=str(args.out / "checkpoint"))
         world, k, mb_size = job.world, engine.runtime.k, engine.micro_batch_size
         if args.dump_step is not None:
             def dump(optimizer, *_):  # runs inside the optimizer step: p.grad is the reduced gradient
@@ -132,9 +133,9 @@ def main():
                     log_iteration(engine, args.steps, t_last, args.log_interval)
                     t_last = time.monotonic()
                     degraded = engine.runtime.plan_cover().degraded
-    except NoCoverAvailable as e:
-        print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
-        sys.exit(3)
+    except GaveUp as e:
+        print(f"MeCeFO: cannot continue: {e} (checkpoint: {e.checkpoint or 'none'})", file=sys.stderr, flush=True)
+        sys.exit(GAVE_UP_EXIT_CODE)
     except JobFinished as e:
         print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
         return

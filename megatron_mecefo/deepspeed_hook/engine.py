@@ -44,7 +44,7 @@ from megatron_mecefo.elastic.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.elastic.store_daemon import spawn_store_daemon
 
-__all__ = ["initialize", "MeCeFOEngine", "init_distributed", "check_ds_config"]
+__all__ = ["initialize", "MeCeFOEngine", "init_distributed", "check_ds_config", "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,27 @@ def _replica_ds_config(ds_config: Dict[str, Any], world: int) -> tuple:
     return cfg, gas, mb
 
 
+def param_digest(module: torch.nn.Module) -> str:
+    """SHA-256 of the module's parameters, in order (bit-level: equal digests = identical replicas)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in module.parameters():
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_checkpoint(engine, save_dir: str) -> str:
+    """DeepSpeed's checkpoint of `engine` under save_dir/global_step{N} (+ `latest`, and Megatron's
+    latest_checkpointed_iteration.txt); call on ONE rank (every replica believes it is rank 0 of
+    its own world, so two callers would write the same files). Returns the checkpoint directory."""
+    tag = f"global_step{engine.global_steps}"
+    engine.save_checkpoint(save_dir, tag=tag, client_state={"iteration": engine.global_steps})
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(engine.global_steps))
+    return os.path.join(save_dir, tag)
+
+
 class MeCeFOEngine:
     """Wraps a DeepSpeedEngine; drives the ElasticRuntime at the accumulation boundary."""
 
@@ -138,6 +159,8 @@ class MeCeFOEngine:
             self.runtime.begin_step(self.engine.global_steps)
             self._plan = self.runtime.plan()
             self._done, self._loss_sum = 0, 0.0
+            if self.cfg.log_param_hash:  # replicas must be bit-identical at the start of every step
+                self.record_extra["param_sha256"] = param_digest(self.engine.module)
         return self._plan
 
     def micro_batches(self) -> Iterator[MicroBatch]:
@@ -202,7 +225,8 @@ class MeCeFOEngine:
 
 
 def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mecefo: Optional[MeCeFOConfig] = None,
-               model_parameters=None, mpu=None, train_iters: Optional[int] = None, **kwargs) -> MeCeFOEngine:
+               model_parameters=None, mpu=None, train_iters: Optional[int] = None, save_dir: Optional[str] = None,
+               **kwargs) -> MeCeFOEngine:
     """`deepspeed.initialize` with MeCeFO. Call after `init_distributed()` and building the model.
 
     Args:
@@ -211,6 +235,10 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
         args: parsed CLI args carrying `--mecefo*` flags (override the block).
         mecefo: a ready MeCeFOConfig (instead of config["mecefo"] + args).
         train_iters: total steps; needed for trace-driven failure injection ("trace").
+        save_dir: where the job's checkpoint goes when it gives up (a failure MeCeFO cannot
+            absorb): `engine.save_checkpoint(save_dir, tag="global_step{N}")` of the last committed
+            step on one rank that holds the state, loadable with `engine.load_checkpoint(save_dir)`.
+            None: no checkpoint (the give-up message says so).
 
     Raises:
         ValueError: an invalid "mecefo" value or a DeepSpeed setting MeCeFO refuses, before training.
@@ -260,6 +288,8 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
         engine.global_steps, engine.global_samples = state["global_steps"], state["global_samples"]
 
     runtime.set_state_hooks(get_state, set_state)
+    if save_dir is not None:
+        runtime.set_checkpoint_hook(lambda: save_checkpoint(engine, save_dir))
     if train_iters is not None:
         runtime.set_trace(train_iters)
     step = runtime.start()

@@ -3,8 +3,11 @@
 `FaultInjector().kill_at(rank, step, phase).hang_at(rank, step, phase)` or
 `FaultInjector.from_rules(cfg.inject)`. The training loop (or the engine hook) calls
 `maybe_fire(step, phase)` at the phase boundaries forward | backward | allreduce | optimizer; the
-runtime itself fires "allreduce" and "recovery" (after checking in for a new generation). A rule
-fires once, in the rank's first incarnation only (a restarted rank does not kill itself again):
+runtime itself fires "allreduce", "recovery" (after the agreement on a new generation), "join" (a
+restarted rank, once admitted, before its generation forms) and "transfer" (every member of a
+generation that hands the state to joiners, between the size and the payload). A rule fires in the
+incarnation it names (0, the first start, by default; a restarted rank does not kill itself again
+unless a rule names its incarnation) at its step, or at any step with step "*":
 "kill" is SIGKILL (a crash), "hang" is SIGSTOP (alive but silent, heartbeat frozen).
 
 Under a launcher that kills every rank when one exits non-zero (the `deepspeed` launcher), the
@@ -28,7 +31,7 @@ __all__ = ["FaultInjector", "PHASES", "TraceEvent", "failure_trace", "trace_from
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "join", "transfer")
 
 PAPER_SCENARIOS = {"low": (2.0, 4.0), "medium": (1.0, 3.0), "high": (0.5, 2.0)}
 """The paper's failure scenarios: (mean time between failures, recovery time) in hours."""
@@ -96,7 +99,7 @@ class FaultInjector:
         self.on_soft_hang = None  # set by the runtime: stop heartbeats, wait for the job's end
         self.events = None  # an EventLog: the firing time is recorded before the signal
 
-    def _add(self, kind: str, rank: int, step: int, phase: str, incarnation: int = 0) -> "FaultInjector":
+    def _add(self, kind: str, rank: int, step, phase: str, incarnation: int = 0) -> "FaultInjector":
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         self.rules.append({"kind": kind, "rank": rank, "step": step, "phase": phase, "incarnation": incarnation})
@@ -108,22 +111,24 @@ class FaultInjector:
             self._add("kill", e.rank, e.fail_step, phase, e.incarnation)
         return self
 
-    def kill_at(self, rank: int, step: int, phase: str = "backward") -> "FaultInjector":
-        return self._add("kill", rank, step, phase)
+    def kill_at(self, rank: int, step, phase: str = "backward", incarnation: int = 0) -> "FaultInjector":
+        return self._add("kill", rank, step, phase, incarnation)
 
-    def hang_at(self, rank: int, step: int, phase: str = "backward") -> "FaultInjector":
-        return self._add("hang", rank, step, phase)
+    def hang_at(self, rank: int, step, phase: str = "backward", incarnation: int = 0) -> "FaultInjector":
+        return self._add("hang", rank, step, phase, incarnation)
 
     @classmethod
     def from_rules(cls, rules: Iterable[Mapping], rank: int, incarnation: int = 0, soft: bool = False) -> "FaultInjector":
         inj = cls(rank, incarnation, soft)
         for r in rules:
-            inj._add(r["kind"], int(r["rank"]), int(r["step"]), r.get("phase", "backward"))
+            step = r["step"] if r["step"] == "*" else int(r["step"])
+            inj._add(r["kind"], int(r["rank"]), step, r.get("phase", "backward"), int(r.get("incarnation", 0)))
         return inj
 
     def maybe_fire(self, step: int, phase: str) -> None:
         for rule in self.rules:
-            if (rule["rank"], rule["step"], rule["phase"], rule["incarnation"]) == (self.rank, step, phase, self.incarnation):
+            if (rule["rank"], rule["phase"], rule["incarnation"]) == (self.rank, phase, self.incarnation) \
+                    and rule["step"] in (step, "*"):
                 msg = f"[mecefo inject] rank {self.rank}: {rule['kind']} at step {step} ({phase})"
                 print(msg, file=sys.stderr, flush=True)
                 if self.events is not None:

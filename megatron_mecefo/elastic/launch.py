@@ -12,14 +12,24 @@ taking the rendezvous with it. Ranks get RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WOR
 MASTER_ADDR, MASTER_PORT (the store; TORCHELASTIC_USE_AGENT_STORE=1 makes torch's env:// init
 connect to it as a client), MECEFO_INCARNATION and MECEFO_LAUNCHER=1.
 
-Exit status: 0 when every rank that ended on its own ended with 0 and at least one did; ranks
-killed by a signal (crashes absorbed by MeCeFO) do not count; otherwise the first non-zero code.
-A rank still stopped (SIGSTOP, a hang) once all others have ended is killed and reported.
+The job ends early, with no more restarts, when:
+* a rank gives up (exit status 3, or `job/failed` in the store: no cover possible, no member with
+  the state left): the others end on their own (they read the store; `--give-up-grace` seconds for
+  the checkpoint), hung ranks are killed, and the launcher exits 3 naming the reason and checkpoint;
+* it receives SIGTERM or SIGINT (a scheduler cancelling the job): every rank gets SIGTERM (SIGKILL
+  after `--term-grace` s), and the launcher exits 128 + the signal number;
+* (single node) no rank is left running: a failed rank is not restarted into a job with no member.
+Ranks die with the launcher (Linux PR_SET_PDEATHSIG), so a killed launcher leaves none behind.
+
+Exit status otherwise: 0 when every rank that ended on its own ended with 0 and at least one did;
+ranks killed by a signal (crashes absorbed by MeCeFO) do not count; otherwise the first non-zero
+code. A rank still stopped (SIGSTOP, a hang) once all others have ended is killed and reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -30,6 +40,8 @@ from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
+
+from megatron_mecefo.errors import GAVE_UP_EXIT_CODE
 
 __all__ = ["main", "host_store"]
 
@@ -72,6 +84,10 @@ def parse_args(argv=None):
     p.add_argument("--restart-failed-after", type=float, default=None, metavar="SECONDS",
                    help="restart a failed rank after this many seconds so it rejoins")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts per rank (3)")
+    p.add_argument("--give-up-grace", type=float, default=300.0, metavar="SECONDS",
+                   help="when the job gives up, how long ranks get to write the checkpoint and end (300)")
+    p.add_argument("--term-grace", type=float, default=10.0, metavar="SECONDS",
+                   help="after SIGTERM/SIGINT, how long ranks get to end before SIGKILL (10)")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
@@ -80,6 +96,34 @@ def parse_args(argv=None):
     if args.master_port == 0 and args.nnodes > 1:
         p.error("--master-port 0 works on a single node only")
     return args
+
+
+def _die_with_parent(parent: int):
+    """preexec_fn: the rank gets SIGKILL when the launcher dies (Linux PR_SET_PDEATHSIG), so ranks
+    never outlive a killed launcher (whose store they need anyway)."""
+    def setup():
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        except Exception:  # not Linux: the ranks end when their store connection breaks instead
+            return
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+    return setup
+
+
+def _job_outcome(client) -> Optional[dict]:
+    """The store's record of a give-up (`job/failed`), or None."""
+    try:
+        if client.check(["job/failed"]):
+            out = json.loads(client.get("job/failed"))
+            if client.check(["job/checkpoint"]):
+                out["checkpoint"] = json.loads(client.get("job/checkpoint"))
+            return out
+    except Exception as e:  # the store is unreachable: the local view decides
+        logger.info("could not read the job's outcome from the store: %s", e)
+    return None
 
 
 def main(argv=None) -> int:
@@ -105,24 +149,45 @@ def main(argv=None) -> int:
             LOCAL_WORLD_SIZE=str(args.nproc_per_node), MASTER_ADDR=args.master_addr, MASTER_PORT=str(port),
             TORCHELASTIC_USE_AGENT_STORE="1", MECEFO_INCARNATION=str(r.incarnation), MECEFO_LAUNCHER="1",
         )
-        r.proc = subprocess.Popen([sys.executable, "-u", args.script, *args.script_args], env=env)
+        r.proc = subprocess.Popen([sys.executable, "-u", args.script, *args.script_args], env=env,
+                                  preexec_fn=_die_with_parent(os.getpid()))
         logger.info("rank %d started (pid %d, incarnation %d)", r.rank, r.proc.pid, r.incarnation)
 
-    def forward_signal(signum, _frame):
-        for r in ranks:
-            if r.proc is not None and r.proc.poll() is None:
-                r.proc.send_signal(signum)
+    # Why the job ends early, if it does: ("signal", signum) from a scheduler's SIGTERM / SIGINT,
+    # ("gave_up", None) when a rank gave up (exit 3 or job/failed), ("no_rank", None) when no rank
+    # of this single-node job is left running to restart into.
+    ending: list = []
+    end_deadline = [None]
 
-    signal.signal(signal.SIGTERM, forward_signal)
-    signal.signal(signal.SIGINT, forward_signal)
+    def on_signal(signum, _frame):
+        if not ending or ending[0][0] != "signal":
+            logger.info("received %s: ending every rank, no restarts", signal.Signals(signum).name)
+            ending[:] = [("signal", signum)]
+            end_deadline[0] = time.monotonic() + args.term_grace
+            for r in ranks:
+                r.restart_at = None
+                if r.proc is not None and r.proc.poll() is None:
+                    if _stopped(r.proc.pid):
+                        r.proc.kill()
+                    else:
+                        r.proc.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     for r in ranks:
         spawn(r)
     first_error: Optional[int] = None
     ok_exits = 0
     while True:
         now = time.monotonic()
+        if not ending and _job_outcome(client) is not None:
+            ending[:] = [("gave_up", None)]
+        if ending and end_deadline[0] is None:
+            end_deadline[0] = now + (args.give_up_grace if ending[0][0] == "gave_up" else args.term_grace)
         for r in ranks:
             if r.proc is None:
+                if ending or (client_finished(client)):
+                    r.restart_at = None
                 if r.restart_at is not None and now >= r.restart_at:
                     r.restart_at = None
                     r.incarnation += 1
@@ -130,6 +195,9 @@ def main(argv=None) -> int:
                 continue
             code = r.proc.poll()
             if code is None:
+                if ending and _stopped(r.proc.pid):  # a hung rank cannot end on its own
+                    logger.info("rank %d is stopped (hung) and the job is ending: killing it", r.rank)
+                    r.proc.kill()
                 continue
             logger.info("rank %d (pid %d) ended: %s", r.rank, r.proc.pid, _describe(code))
             r.proc, r.final = None, code
@@ -138,13 +206,27 @@ def main(argv=None) -> int:
             if code == 0:
                 ok_exits += 1
                 continue
+            if code == GAVE_UP_EXIT_CODE and not ending:
+                ending[:] = [("gave_up", None)]
             if code > 0 and first_error is None:
                 first_error = code
-            others_running = any(o.proc is not None and o.proc.poll() is None for o in ranks if o is not r)
-            if args.restart_failed_after is not None and r.incarnation < args.max_restarts and others_running:
-                r.restart_at = now + args.restart_failed_after
-                logger.info("rank %d will restart in %.1f s", r.rank, args.restart_failed_after)
+            others_running = any(o.proc is not None and o.proc.poll() is None and not _stopped(o.proc.pid)
+                                 for o in ranks if o is not r)
+            if ending:
+                continue
+            if args.restart_failed_after is not None and r.incarnation < args.max_restarts:
+                if others_running or args.nnodes > 1:
+                    r.restart_at = now + args.restart_failed_after
+                    logger.info("rank %d will restart in %.1f s", r.rank, args.restart_failed_after)
+                else:
+                    logger.info("rank %d is not restarted: no rank of the job is left running to rejoin", r.rank)
         live = [r for r in ranks if r.proc is not None]
+        if not ending and args.nnodes == 1 and any(r.restart_at for r in ranks) and \
+                not any(not _stopped(r.proc.pid) for r in live):
+            ending[:] = [("no_rank", None)]
+            logger.info("no rank of the job is left running: pending restarts are cancelled")
+            for r in ranks:
+                r.restart_at = None
         if live and all(_stopped(r.proc.pid) for r in live) and not any(r.restart_at for r in ranks):
             for r in live:
                 logger.info("rank %d is stopped (hung) and all others ended: killing it", r.rank)
@@ -152,12 +234,37 @@ def main(argv=None) -> int:
                 r.proc.wait()
                 r.proc, r.final = None, -signal.SIGKILL
                 report_exit(r.rank)
+        if ending and end_deadline[0] is not None and now > end_deadline[0]:
+            for r in live:
+                if r.proc.poll() is None:
+                    logger.info("rank %d did not end within the grace period: killing it", r.rank)
+                    r.proc.kill()
+            end_deadline[0] = now + 5.0
         if not any(r.proc is not None or r.restart_at is not None for r in ranks):
             break
         time.sleep(0.1)
+    if ending and ending[0][0] == "signal":
+        return 128 + ending[0][1]
+    outcome = _job_outcome(client)
+    if outcome is not None or (ending and ending[0][0] == "gave_up"):
+        reason = (outcome or {}).get("reason", "a rank exited with status 3")
+        ckpt = (outcome or {}).get("checkpoint")
+        where = (f"checkpoint of step {ckpt['step']} at {ckpt['path']}" if ckpt else "no checkpoint was written")
+        logger.error("the job gave up: %s; %s", reason, where)
+        return GAVE_UP_EXIT_CODE
+    if ending and ending[0][0] == "no_rank":
+        logger.error("the job ended: every rank failed and none was left running to restart into")
+        return first_error or 1
     if first_error is not None:
         return first_error
     return 0 if ok_exits else 1
+
+
+def client_finished(client) -> bool:
+    try:
+        return bool(client.check(["job/finished"]))
+    except Exception:
+        return False
 
 
 if __name__ == "__main__":

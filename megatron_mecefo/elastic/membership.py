@@ -7,10 +7,12 @@ generation never mislead a later one:
 * heartbeats  `hb/{rank}`: a counter each rank bumps from a thread. A rank is presumed failed when
   its counter has not moved for `heartbeat_timeout_s` of the observer's own clock (no clock sync
   needed); a SIGSTOPped rank's counter stops too.
-* agreement   `gen{g}/in/{rank}`, `gen{g}/plan`: survivors check in; once every previous member has
-  checked in or is presumed failed, the lowest live checked-in rank publishes the member list with
-  compare-and-set; everyone adopts the first published list. A failure during agreement only delays
-  it; the next generation starts over.
+* agreement   `gen{g}/in/{rank}`, `gen{g}/plan`: survivors check in with the step whose state they
+  hold (-1: none, a restarted rank); once every candidate has checked in or is presumed failed, the
+  lowest live checked-in rank publishes the plan (members, joiners = members without the newest
+  state, step) with compare-and-set; everyone adopts the first published plan. A failure during
+  agreement only delays it; the next generation starts over. A plan with no state holder is never
+  published: "lost" ends the job instead.
 * commit      `gen{g}/step{s}/vote/{rank}`, `.../decision`: each member votes ok/abort after its
   gradient reduction; the lowest live member decides commit (all voted ok) or abort (any abort vote
   or a member presumed failed) with compare-and-set, and everyone follows the one decision. A rank
@@ -19,6 +21,8 @@ generation never mislead a later one:
   crash is known at once instead of after heartbeat_timeout_s.
 * joins       `join/{rank}`, `joinee/{rank}`: a restarted rank announces itself; the decider names
   the generation it will be admitted to at the next step boundary.
+* outcome     `job/finished`, `job/failed` (the reason a rank gave up; every waiting rank and the
+  launcher read it and end).
 
 It knows nothing of models or gradients.
 """
@@ -35,9 +39,9 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_mecefo.errors import AgreementTimeout, JobFinished, NotAMember
+from megatron_mecefo.errors import AgreementTimeout, JobAborted, JobFinished, JoinTimeout, NotAMember, StateLost
 
-__all__ = ["Membership", "Decision", "connect_store"]
+__all__ = ["Membership", "Decision", "GenerationPlan", "connect_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,22 @@ class Decision:
     joiners: tuple = ()
     """Ranks to admit in the next generation (only with commit)."""
     next_generation: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationPlan:
+    """The agreed composition of one generation."""
+
+    members: tuple
+    """Sorted ranks of the generation (joiners included)."""
+    joiners: tuple
+    """Members without the training state of `step`: they receive it before the generation trains."""
+    step: int
+    """The step whose training state the generation starts from."""
+
+    @property
+    def holders(self) -> tuple:
+        return tuple(r for r in self.members if r not in self.joiners)
 
 
 class Membership:
@@ -135,56 +155,97 @@ class Membership:
                 out.append(r)
         return out
 
+    # -- job-wide outcome ---------------------------------------------------------------------------
+
+    def check_job(self) -> None:
+        """Raise if the job has ended: JobAborted when a rank gave up, JobFinished when it is done."""
+        if self.store.check(["job/failed"]):
+            info = json.loads(self.store.get("job/failed"))
+            raise JobAborted(f"[rank {self.rank}] the job gave up: {info['reason']}")
+        if self.store.check(["job/finished"]):
+            raise JobFinished(f"[rank {self.rank}] the job finished")
+
+    def mark_failed(self, reason: str, **fields) -> None:
+        """Tell every rank (and the launcher) that the job gave up; the first reason stays."""
+        self.store.compare_set("job/failed", "", json.dumps({"reason": reason, "rank": self.rank, **fields}))
+
     # -- agreement --------------------------------------------------------------------------------
 
-    def agree(self, generation: int, candidates: Sequence[int]) -> List[int]:
+    def agree(self, generation: int, candidates: Sequence[int], step: Optional[int]) -> GenerationPlan:
         """Agree with the other live candidates on the members of `generation`.
 
-        Call on every survivor (and admitted joiner) with the same `candidates`.
+        Call on every survivor (and admitted joiner) with the same `candidates`. `step` is the step
+        this rank holds the training state of, or None for a rank without state (a restarted or
+        late rank). The plan names the members holding the state of the newest step (one of them
+        sends it) and the joiners, who must receive it before the generation trains: a rank without
+        state never trains or votes.
 
         Returns:
-            The sorted member list, which contains this rank.
+            The agreed GenerationPlan; its members contain this rank.
 
         Candidates that have not checked in by agree_timeout_s are left out (a late starter then
         rejoins like a restarted rank).
 
         Raises:
-            AgreementTimeout: no member list within twice agree_timeout_s.
+            AgreementTimeout: no plan within twice agree_timeout_s.
+            StateLost: every live candidate is without state and no other can bring it.
+            JobAborted: another rank gave up meanwhile.
             NotAMember: the agreed list leaves this rank out (it was presumed failed).
         """
         prefix = f"gen{generation}"
-        self.store.set(f"{prefix}/in/{self.rank}", "1")
+        self.store.set(f"{prefix}/in/{self.rank}", str(-1 if step is None else step))
         deadline = time.monotonic() + self.agree_timeout
         plan_key = f"{prefix}/plan"
         candidates = sorted(set(candidates) | {self.rank})
         while not self.store.check([plan_key]):
-            if self.store.check(["job/finished"]):  # admitted at the last step: nobody will come
-                raise JobFinished(f"[gen {generation} rank {self.rank}] the job finished before generation {generation} formed")
+            if self.store.check(["job/failed"]) or self.store.check(["job/finished"]):
+                self.check_job()
             now = time.monotonic()
             if now > deadline + self.agree_timeout:
                 raise AgreementTimeout(
                     f"[gen {generation} rank {self.rank}] no agreement on the survivors within "
                     f"{2 * self.agree_timeout:.0f} s (mecefo.agree_timeout_s)"
                 )
-            checked = [r for r in candidates if self.store.check([f"{prefix}/in/{r}"])]
+            checked = {r: int(self.store.get(f"{prefix}/in/{r}")) for r in candidates
+                       if self.store.check([f"{prefix}/in/{r}"])}
             live = set(self.alive(candidates))
             pending = [r for r in candidates if r in live and r not in checked]
-            voters = [r for r in checked if r in live]
+            voters = [r for r in sorted(checked) if r in live]
             # past the deadline, go on without ranks that never checked in (they may rejoin later)
             if (not pending or now > deadline) and voters and voters[0] == self.rank:
-                self.store.compare_set(plan_key, "", json.dumps(voters))
+                steps = [checked[r] for r in voters if checked[r] >= 0]
+                if steps:
+                    newest = max(steps)
+                    plan = {"members": voters, "joiners": [r for r in voters if checked[r] != newest], "step": newest}
+                    self.store.compare_set(plan_key, "", json.dumps(plan))
+                elif not pending:  # nobody left who could bring the state
+                    self.store.compare_set(plan_key, "", json.dumps({"lost": True, "members": voters}))
             time.sleep(_POLL_S)
-        members = json.loads(self.store.get(plan_key))
-        if self.rank not in members:
+        plan = json.loads(self.store.get(plan_key))
+        if plan.get("lost"):
+            raise StateLost(
+                f"[gen {generation} rank {self.rank}] no rank holding the training state is left: the live "
+                f"ranks {plan['members']} are all restarted ranks that never received it"
+            )
+        if self.rank not in plan["members"]:
             raise NotAMember(
                 f"[gen {generation} rank {self.rank}] left out of generation {generation} (presumed failed; "
-                f"members {members}); this rank must stop"
+                f"members {plan['members']}); this rank must stop"
             )
-        return members
+        return GenerationPlan(tuple(plan["members"]), tuple(plan["joiners"]), int(plan["step"]))
 
     def members_of(self, generation: int) -> List[int]:
         """The agreed members of an earlier generation."""
-        return json.loads(self.store.get(f"gen{generation}/plan"))
+        return json.loads(self.store.get(f"gen{generation}/plan"))["members"]
+
+    def latest_plan(self, since: int = 0) -> tuple:
+        """(generation, plan dict) of the newest published plan at or after generation `since`."""
+        g = since
+        while self.store.check([f"gen{g + 1}/plan"]):
+            g += 1
+        if not self.store.check([f"gen{g}/plan"]):
+            return g, None
+        return g, json.loads(self.store.get(f"gen{g}/plan"))
 
     # -- commit -----------------------------------------------------------------------------------
 
@@ -192,6 +253,8 @@ class Membership:
         """Vote ok/abort for this step and return the one decision all members follow.
 
         Call on every member once per step, after the gradient reduction and before the optimizer.
+        A decision that does not come within agree_timeout_s is replaced by abort (compare-and-set:
+        if a commit got there first, it stands).
         """
         prefix = f"gen{generation}/step{step}"
         self.store.set(f"{prefix}/vote/{self.rank}", "1" if ok else "0")
@@ -200,11 +263,13 @@ class Membership:
         key = f"{prefix}/decision"
         deadline = time.monotonic() + self.agree_timeout
         while not self.store.check([key]):
-            if time.monotonic() > deadline:
-                raise AgreementTimeout(
-                    f"[gen {generation} rank {self.rank} step {step}] no commit decision within "
-                    f"{self.agree_timeout:.0f} s (mecefo.agree_timeout_s)"
-                )
+            if time.monotonic() > deadline:  # the decider is stuck elsewhere: abort; the survivors re-agree
+                logger.warning("[gen %d rank %d step %d] no commit decision within %.0f s: aborting the step",
+                               generation, self.rank, step, self.agree_timeout)
+                self.store.compare_set(key, "", json.dumps({"commit": False}))
+                break
+            if self.store.check(["job/failed"]):
+                self.check_job()
             live = self.alive(members)
             if live and live[0] == self.rank:  # the decider: lowest live member
                 votes = {r: self.store.get(f"{prefix}/vote/{r}").decode() for r in members
@@ -239,20 +304,49 @@ class Membership:
                     out.append(r)
         return out
 
+    def abort_step(self, generation: int, step: int) -> None:
+        """Decide abort for (generation, step) unless a decision exists: peers still in that step's
+        collective or commit stop waiting (a rank leaving a generation that did not form for it)."""
+        self.store.compare_set(f"gen{generation}/step{step}/decision", "", json.dumps({"commit": False}))
+
     def request_join(self, timeout_s: float) -> int:
-        """Announce this restarted rank; return the generation it is admitted to."""
+        """Announce this restarted rank; return the generation it is admitted to.
+
+        Raises:
+            JobFinished: training ended first.
+            JobAborted: the job gave up meanwhile.
+            StateLost: no live rank of the newest generation holds the state (nobody can admit this
+                rank or send it the state); the job is marked failed.
+            JoinTimeout: not admitted within `timeout_s` (mecefo.join_timeout_s).
+        """
         self.store.set(f"joinee/{self.rank}", "")
         self.store.delete_key(f"exited/{self.rank}")
         self._seen.clear()
         self.store.set(f"join/{self.rank}", "waiting")
-        deadline = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        since, orphaned_since, next_check = 0, None, t0 + self.hb_timeout
         while True:
             value = self.store.get(f"joinee/{self.rank}").decode()
             if value:
                 self.store.set(f"join/{self.rank}", "admitted")
                 return int(value)
-            if self.store.check(["job/finished"]):
-                raise JobFinished(f"[rank {self.rank}] the job finished before this rank could rejoin")
-            if time.monotonic() > deadline:
-                raise AgreementTimeout(f"[rank {self.rank}] not admitted within {timeout_s:.0f} s (mecefo.join_timeout_s)")
+            self.check_job()
+            now = time.monotonic()
+            if now > deadline:
+                raise JoinTimeout(f"[rank {self.rank}] not admitted within {timeout_s:.0f} s (mecefo.join_timeout_s)")
+            if now >= next_check:  # is anybody left who could admit this rank?
+                next_check = now + 0.5
+                since, plan = self.latest_plan(since)
+                holders = [r for r in (plan or {}).get("members", []) if r != self.rank
+                           and not (self.store.check([f"join/{r}"]) and self.store.get(f"join/{r}").decode() == "waiting")]
+                if plan is not None and not plan.get("lost") and self.alive(holders):
+                    orphaned_since = None
+                elif orphaned_since is None:
+                    orphaned_since = now
+                elif now - orphaned_since > self.hb_timeout:
+                    reason = (f"no rank holding the training state is left (generation {since} had members "
+                              f"{(plan or {}).get('members')}; none is alive)")
+                    self.mark_failed(reason)
+                    raise StateLost(f"[rank {self.rank}] {reason}")
             time.sleep(_POLL_S * 5)

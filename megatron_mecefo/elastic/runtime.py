@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import logging
 import os
 import time
@@ -36,9 +37,9 @@ from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic import groups
 from megatron_mecefo.elastic.fold import Fold, FoldPolicy, fold_neighbor
 from megatron_mecefo.elastic.inject import FaultInjector, failure_trace, trace_from_events
-from megatron_mecefo.elastic.membership import Membership, connect_store
+from megatron_mecefo.elastic.membership import GenerationPlan, Membership, connect_store
 from megatron_mecefo.elastic.topology import CoverPlan, Grid, plan_cover
-from megatron_mecefo.errors import MeCeFOError, NoCoverAvailable, NotAMember
+from megatron_mecefo.errors import GaveUp, JobAborted, MeCeFOError, NoCoverAvailable, NotAMember
 from megatron_mecefo.log import EventLog, RankPrefix
 from megatron_mecefo.params import GradGroup, grad_group
 
@@ -130,6 +131,12 @@ class ElasticRuntime:
         self._fold: Optional[Fold] = None
         self._get_state: Optional[Callable[[], Dict[str, Any]]] = None
         self._set_state: Optional[Callable[[Dict[str, Any]], None]] = None
+        self._save: Optional[Callable[[], str]] = None
+        self._has_state = False
+        self.rejoined = False
+        """True when this rank came in after generation 0 and received the live state from a peer."""
+        """True once this rank holds the training state of self.step: every rank of generation 0,
+        a joiner once it has received the state. A rank without it never trains or votes."""
         self.log = RankPrefix(logger, lambda: {"generation": self.generation, "rank": self.rank, "step": self.step})
         log_dir = config.log_dir
         self.events = EventLog(os.path.join(log_dir, f"events_rank{rank}.jsonl") if log_dir else None, rank=rank)
@@ -142,6 +149,11 @@ class ElasticRuntime:
         """How to read and restore the training state sent to a rejoining rank (model, optimizer,
         scheduler, counters). Call before `start()`."""
         self._get_state, self._set_state = get_state, set_state
+
+    def set_checkpoint_hook(self, save: Callable[[], str]) -> None:
+        """How to write a checkpoint of the last committed step when the job gives up; returns its
+        path. Called on one rank that holds the state (the first to give up). Call before `start()`."""
+        self._save = save
 
     def set_trace(self, total_steps: int) -> None:
         """Turn config.trace into kill rules for this job of `total_steps` (same on every rank)."""
@@ -161,27 +173,38 @@ class ElasticRuntime:
             return
         deadline = time.monotonic() + self.cfg.join_timeout_s
         while int(self.store.add("job/progress", 0)) < mine[0].rejoin_step and time.monotonic() < deadline:
-            if self.store.check(["job/finished"]):
-                return
+            self.membership.check_job()
             time.sleep(0.1)
 
     def start(self) -> int:
-        """Join the job. Returns the step to train next (0 unless this rank rejoins)."""
+        """Join the job. Returns the step to train next (0 unless this rank rejoins).
+
+        Raises:
+            GaveUp: the job cannot go on (exit with GAVE_UP_EXIT_CODE).
+            JobFinished: a restarted rank came back after training ended.
+        """
+        return self._guarded(self._start)
+
+    def _start(self) -> int:
         self.store.add("mecefo/world", 0)
         self.store.compare_set("mecefo/world", "0", str(self.world))
         self.membership.start()
         if self.incarnation == 0:
+            self._has_state = True  # every first incarnation starts from the same initial state
             try:
                 self._regroup(0, list(range(self.world)))
                 return self.step
             except NotAMember:  # started too late for generation 0: come in like a restarted rank
+                self._has_state = False
                 self.log.warning("not in the first generation; joining at the next step boundary")
         t0 = time.monotonic()
         self._wait_for_rejoin_step()
         generation = self.membership.request_join(self.cfg.join_timeout_s)
+        self.injector.maybe_fire(int(self.store.add("job/progress", 0)), "join")
         candidates = [int(x) for x in self.store.get(f"gen{generation}/candidates").decode().split(",")]
         self._regroup(generation, candidates)
-        self.events.write("rejoined", generation=generation, step=self.step, wait_s=time.monotonic() - t0)
+        self.rejoined = True
+        self.events.write("rejoined", generation=self.generation, step=self.step, wait_s=time.monotonic() - t0)
         self.log.info("rejoined at step %d", self.step)
         return self.step
 
@@ -206,12 +229,16 @@ class ElasticRuntime:
     # -- the step protocol ------------------------------------------------------------------------
 
     def begin_step(self, step: int) -> None:
-        """Start (or redo) `step`. Admits pending joiners first (a step boundary)."""
+        """Start (or redo) `step`. Admits pending joiners first (a step boundary).
+
+        Raises:
+            GaveUp: the job cannot go on (exit with GAVE_UP_EXIT_CODE).
+        """
         self.step = step
         if self._pending is not None:
             generation, candidates = self._pending
             self._pending = None
-            self._regroup(generation, candidates)
+            self._guarded(self._regroup, generation, candidates)
         self._error = None
         self._error_time = self._error_wall = None
         self._t_step = time.monotonic()
@@ -273,8 +300,12 @@ class ElasticRuntime:
         the survivors regrouped (a new generation), and the step must be redone.
 
         Raises:
-            NoCoverAvailable: the failure cannot be absorbed (save a checkpoint and exit).
+            GaveUp: the failure cannot be absorbed; a checkpoint was written if possible (exit with
+                GAVE_UP_EXIT_CODE).
         """
+        return self._guarded(self._commit, record)
+
+    def _commit(self, record: Dict[str, Any]) -> bool:
         ok = self._error is None
         decision = self.membership.decide(self.generation, self.step, self.members, ok, self.world)
         if decision.commit:
@@ -306,71 +337,125 @@ class ElasticRuntime:
 
     def _regroup(self, generation: int, candidates: Sequence[int], detected_at: Optional[float] = None,
                  t_start: Optional[float] = None) -> None:
+        """Agree on, build and (with joiners) hand the state to the next generation.
+
+        A generation is usable only once its group is built and every joiner holds the state; if
+        either fails (a member died after the agreement, the donor died mid-transfer), its step is
+        aborted for anyone already past that point and the same candidates agree on the next
+        generation. Joiners still without state are joiners again there.
+        """
         t0 = t_start or time.monotonic()
-        members = self.membership.agree(generation, candidates)
-        if generation > 0:
-            self.injector.maybe_fire(self.step, "recovery")
-        t_agreed = time.monotonic()
-        try:
-            cover = plan_cover(self.grid, members)
-        except NoCoverAvailable as e:
-            raise NoCoverAvailable(
-                f"[gen {generation} rank {self.rank} step {self.step}] {e}. Survivors: {members}. "
-                "Save a checkpoint and restart the job with the surviving nodes, or add nodes."
-            ) from None
-        try:
-            self.group = groups.build_dp_group(self.store, generation, members, self.rank, self._timeout, self.backend)
-        except Exception as e:  # a member died after the agreement: try again without it
-            self.log.warning("generation %d could not form (%s); agreeing again", generation, str(e).splitlines()[0][:120])
-            self.generation, self.members = generation, members
-            return self._regroup(generation + 1, members, detected_at=detected_at, t_start=t0)
-        self.generation, self.members, self._cover = generation, members, cover
+        while True:
+            plan = self.membership.agree(generation, candidates, self.step if self._has_state else None)
+            if generation > 0:
+                self.injector.maybe_fire(plan.step, "recovery")
+            t_agreed = time.monotonic()
+            try:
+                cover = plan_cover(self.grid, plan.members)
+            except NoCoverAvailable as e:
+                err = NoCoverAvailable(
+                    f"[gen {generation} rank {self.rank} step {plan.step}] {e}. Survivors: {list(plan.members)}. "
+                    "Restart the job from the checkpoint with the surviving nodes, or add nodes."
+                )
+                err.members = list(plan.members)
+                raise err from None
+            group, payload = None, None
+            try:
+                group = groups.build_dp_group(self.store, generation, plan.members, self.rank, self._timeout, self.backend)
+                if plan.joiners:
+                    payload = self._transfer_state(group, plan)
+            except Exception as e:  # a member died after the agreement or during the transfer
+                groups.destroy_group(group)
+                self.membership.abort_step(generation, plan.step)
+                self.log.warning("generation %d could not form (%s); agreeing again", generation,
+                                 str(e).splitlines()[0][:120])
+                generation, candidates = generation + 1, plan.members
+                continue
+            break
+        if payload is not None:
+            self._load_state(payload, plan.step)
+        self.group, self.generation, self.members, self._cover = group, generation, list(plan.members), cover
+        self.step = plan.step
         approximate = self.cfg.approximate if self._approximations_on() else "none"
         self._fold = self.fold_policy(cover, self.k, approximate=approximate, skip_attention=self.cfg.skip_attention)
-        previous = self.membership.members_of(generation - 1) if generation > 0 else members
-        joiners = [r for r in members if r not in previous]
-        if joiners:
-            self._transfer_state(joiners)
         t_done = time.monotonic()
         now = time.time()
         self.events.write(
-            "regroup", generation=generation, step=self.step, members=members,
-            cover={str(k): v for k, v in cover.cover.items()}, joiners=joiners,
+            "regroup", generation=generation, step=self.step, members=self.members,
+            cover={str(k): v for k, v in cover.cover.items()}, joiners=list(plan.joiners),
             detected_at=self._detected_wall if detected_at else None,
             agreed_at=now - (t_done - t_agreed), regrouped_at=now,
             detect_to_recover_s=(t0 - detected_at) if detected_at else None,
             agree_s=t_agreed - t0, regroup_s=t_done - t_agreed,
         )
         if generation > 0:
-            self.log.warning("generation %d: members %s, cover %s", generation, members, cover.cover or "none")
+            self.log.warning("generation %d: members %s, cover %s", generation, self.members, cover.cover or "none")
 
     def _approximations_on(self) -> bool:
         c = self.cfg
         return c.enable and (c.skip_attention or c.lowrank_ffn or c.recompute_ffn == "always")
 
-    def _transfer_state(self, joiners: Sequence[int]) -> None:
-        """The lowest old member broadcasts the training state; joiners load it."""
-        donor = min(r for r in self.members if r not in joiners)
-        root = groups.dense_rank(self.members, donor)
+    def _transfer_state(self, group, plan: GenerationPlan) -> Optional[bytes]:
+        """The lowest state holder broadcasts the training state; returns the bytes on joiners."""
+        donor = min(plan.holders)
+        root = groups.dense_rank(plan.members, donor)
         if self.rank == donor:
             buf = io.BytesIO()
-            state = {"step": self.step, "user": self._get_state() if self._get_state else None}
-            torch.save(state, buf)
+            torch.save({"step": self.step, "user": self._get_state() if self._get_state else None}, buf)
             payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
             size = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
-        groups.broadcast_(self.group, size, root)
+        groups.broadcast_(group, size, root)
+        self.injector.maybe_fire(plan.step, "transfer")
         if self.rank != donor:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        groups.broadcast_(self.group, payload, root)
-        if self.rank in joiners:
-            state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
-            self.step = state["step"]
-            if state["user"] is not None:
-                if self._set_state is None:
-                    raise MeCeFOError("a rejoining rank needs set_state_hooks() to load the training state")
-                self._set_state(state["user"])
+        groups.broadcast_(group, payload, root)
+        return payload.numpy().tobytes() if self.rank in plan.joiners else None
+
+    def _load_state(self, payload: bytes, step: int) -> None:
+        state = torch.load(io.BytesIO(payload), weights_only=False)
+        if state["step"] != step:
+            raise MeCeFOError(f"[rank {self.rank}] received the state of step {state['step']}, expected {step}")
+        if state["user"] is not None:
+            if self._set_state is None:
+                raise MeCeFOError("a rejoining rank needs set_state_hooks() to load the training state")
+            self._set_state(state["user"])
+        self.step, self._has_state = step, True
+
+    # -- giving up --------------------------------------------------------------------------------
+
+    def _guarded(self, fn: Callable, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except GaveUp as e:
+            self._give_up(e)
+            raise
+
+    def _give_up(self, error: GaveUp) -> None:
+        """End this rank's part in a job that cannot go on: the first state holder to get here
+        writes a checkpoint of the last committed step, then every rank learns it from the store."""
+        reason = str(error).splitlines()[0]
+        if not isinstance(error, JobAborted):
+            self.log.error("giving up: %s", reason)
+        ckpt = None
+        try:
+            if self._has_state and self._save is not None and \
+                    self.store.compare_set("job/checkpoint_writer", "", str(self.rank)).decode() == str(self.rank):
+                ckpt = self._save()
+                self.store.set("job/checkpoint", json.dumps({"path": ckpt, "step": self.step, "rank": self.rank}))
+                self.log.error("checkpoint of step %d written to %s", self.step, ckpt)
+        except Exception as e:  # the give-up must not hang or mask the reason
+            self.log.error("could not write the give-up checkpoint: %s", e)
+        error.checkpoint = ckpt
+        try:
+            self.membership.mark_failed(reason, generation=self.generation, step=self.step)
+        except Exception:
+            pass
+        self.events.write("gave_up", kind=type(error).__name__, reason=reason, generation=self.generation,
+                          step=self.step, members=getattr(error, "members", list(self.members)),
+                          has_state=self._has_state, checkpoint=ckpt)
+        self.close(finished=False)
 
     # -- checkpointable state ---------------------------------------------------------------------
 

@@ -21,7 +21,9 @@ import torch
 
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic.fold import sample_range
-from megatron_mecefo.errors import JobFinished, NoCoverAvailable
+import hashlib
+
+from megatron_mecefo.errors import GAVE_UP_EXIT_CODE, GaveUp, JobFinished
 from megatron_mecefo.params import GradGroup, tag_parameters
 
 D = 8
@@ -95,12 +97,20 @@ def main():
     rt.set_state_hooks(lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
                        lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"])))
     rt.set_trace(args.steps)
+
+    def save_checkpoint():  # the runtime calls it on one state holder when the job gives up
+        path = args.out / f"checkpoint_rank{rank}.pt"
+        torch.save({"params": [p.detach() for p in model.parameters()], "opt": opt.state_dict(), "step": rt.step}, path)
+        return str(path)
+
+    rt.set_checkpoint_hook(save_checkpoint)
     step = 0
     try:
         step = rt.start()
         while step < args.steps:
             rt.begin_step(step)
             plan = rt.plan()
+            digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
             opt.zero_grad(set_to_none=True)
             loss_sum, samples = 0.0, 0
             for mb in plan.micro_batches:
@@ -113,20 +123,17 @@ def main():
                 loss_sum += loss.item()
                 samples += len(ids)
             total_loss, total_samples = rt.reduce_gradients(model.parameters(), stats=[loss_sum, samples])
-            if rt.commit(loss=total_loss / plan.divisor, samples=int(total_samples)):
+            if rt.commit(loss=total_loss / plan.divisor, samples=int(total_samples), param_sha256=digest):
                 rt.injector.maybe_fire(step, "optimizer")
                 opt.step()
                 step += 1
     except JobFinished as e:
         print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
         return
-    except NoCoverAvailable as e:
-        torch.save({"params": [p.detach() for p in model.parameters()], "opt": opt.state_dict(), "step": step},
-                   args.out / f"checkpoint_rank{rank}.pt")
-        print(f"MeCeFO: cannot continue: {e}. Checkpoint saved to {args.out / f'checkpoint_rank{rank}.pt'}",
-              file=sys.stderr, flush=True)
-        rt.close()
-        sys.exit(3)
+    except GaveUp as e:
+        where = f" Checkpoint saved to {e.checkpoint}" if e.checkpoint else ""
+        print(f"MeCeFO: cannot continue: {e}.{where}", file=sys.stderr, flush=True)
+        sys.exit(GAVE_UP_EXIT_CODE)
     torch.save({"params": [p.detach() for p in model.parameters()], "opt": opt.state_dict(), "step": step,
                 "generation": rt.generation}, args.out / f"final_rank{rank}.pt")
     rt.close()

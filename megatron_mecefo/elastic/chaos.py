@@ -1,0 +1,241 @@
+"""Chaos: seeded random failure schedules, a runner, and the invariants every run must satisfy.
+
+A `Schedule` is a list of injected faults (kill = SIGKILL, hang = SIGSTOP) at exact (rank, step,
+phase, incarnation) points, plus the launcher's restart delay. `random_schedule(seed, ...)` draws
+the orders real clusters see: several failures close together, the lowest rank (the one that
+decides commits), the covering neighbour of an earlier victim, a rank while it is being restarted
+(phases "join" and "transfer" of incarnation 1), failures during a recovery. `run_schedule` runs a
+training script under mecefo-launch with those faults; `check_run` reads the script's JSONL logs
+and the launcher's exit status and returns the violated invariants (an empty list is a pass):
+
+  (a) the run ends within `time_bound(...)`, computed from the configured timeouts;
+  (b) if it finishes (exit 0): every step 0..N-1 was committed by one generation, consumed every
+      micro-batch of the global batch exactly once, and the replicas were bit-identical at the start
+      of every step (`param_sha256` in the step records);
+  (c) if it cannot finish: it gave up cleanly (exit 3): a rank recorded why, the reason is a real
+      impossibility (the recorded survivors cannot be covered, or no rank with the state is left),
+      and when a rank holding the state gave up, a checkpoint of the last committed step exists.
+
+Script-specific checks (final parameters against a fault-free reference) are the caller's. A
+failing schedule is reproduced with `Schedule.flags()` on the same command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Union
+
+from megatron_mecefo.elastic.topology import Grid, plan_cover
+from megatron_mecefo.errors import NoCoverAvailable
+
+__all__ = ["Fault", "Schedule", "random_schedule", "run_schedule", "check_run", "time_bound", "RunResult"]
+
+_TRAIN_PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery")
+_REJOIN_PHASES = ("join", "transfer", "forward", "allreduce")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    kind: str
+    """"kill" (SIGKILL) or "hang" (SIGSTOP)."""
+    rank: int
+    step: Union[int, str]
+    """The step it fires at, or "*" (the first time the rank reaches `phase`)."""
+    phase: str
+    incarnation: int = 0
+
+    def flag(self) -> str:
+        text = f"{self.kind}:{self.rank}:{self.step}:{self.phase}"
+        return text + (f":{self.incarnation}" if self.incarnation else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    seed: int
+    world: int
+    steps: int
+    faults: tuple
+    restart_after: Optional[float]
+    """Seconds before mecefo-launch restarts a failed rank; None: no restarts."""
+
+    def flags(self) -> List[str]:
+        """The script's `--mecefo-inject` flags."""
+        return [x for f in self.faults for x in ("--mecefo-inject", f.flag())]
+
+    def launcher_flags(self) -> List[str]:
+        return [] if self.restart_after is None else ["--restart-failed-after", f"{self.restart_after:g}"]
+
+    def describe(self) -> str:
+        return (f"seed {self.seed}: mecefo-launch --nproc-per-node {self.world} {' '.join(self.launcher_flags())} "
+                f"SCRIPT ... {' '.join(self.flags())}")
+
+
+def random_schedule(seed: int, world: int, steps: int, *, max_faults: int = 4,
+                    restart_choices: Sequence[Optional[float]] = (0.5, 1.0, 2.0, 4.0, None)) -> Schedule:
+    """A deterministic random schedule of 1..max_faults faults over `steps` steps of `world` ranks."""
+    rng = random.Random(seed)
+    n = rng.randint(1, max_faults)
+    anchor = rng.randrange(1, max(2, steps - 2))
+    faults, victims = [], []
+    for _ in range(n):
+        kind = "hang" if rng.random() < 0.3 else "kill"
+        roll = rng.random()
+        if victims and roll < 0.25:  # the restarted victim again, while it comes back
+            rank, inc = rng.choice(victims), 1
+            step = "*" if rng.random() < 0.6 else min(steps - 1, anchor + rng.randint(0, 6))
+            phase = rng.choice(_REJOIN_PHASES)
+        else:
+            if roll < 0.45:
+                rank = 0  # the lowest rank decides commits and publishes plans
+            elif victims and roll < 0.7:
+                rank = (victims[-1] + 1) % world  # the neighbour that covers the last victim
+            else:
+                rank = rng.randrange(world)
+            inc, phase = 0, rng.choice(_TRAIN_PHASES + ("recovery",))  # recovery twice as likely
+            step = min(steps - 1, anchor + rng.choice((0, 0, 1, 1, 2, 3, 5)))
+        faults.append(Fault(kind, rank, step, phase, inc))
+        victims.append(rank)
+        anchor = step if isinstance(step, int) else anchor
+    return Schedule(seed, world, steps, tuple(faults), rng.choice(tuple(restart_choices)))
+
+
+def time_bound(*, faults: int, collective_timeout_s: float, agree_timeout_s: float, heartbeat_timeout_s: float,
+               restart_after: Optional[float], startup_s: float, fault_free_s: float) -> float:
+    """The longest a run may take: a fault-free run, plus per fault a detection (collective
+    timeout), an agreement that waits out its deadline twice, a commit decision timeout, a
+    heartbeat, a restart and a start-up."""
+    per_fault = collective_timeout_s + 3 * agree_timeout_s + heartbeat_timeout_s + (restart_after or 0) + startup_s
+    return fault_free_s + startup_s + faults * per_fault
+
+
+@dataclasses.dataclass
+class RunResult:
+    returncode: Optional[int]
+    """None: the run did not end within its limit and was killed."""
+    elapsed_s: float
+    stdout: str
+    stderr: str
+
+
+def run_schedule(schedule: Schedule, script: Sequence[str], out: Path, *, limit_s: float,
+                 launcher_args: Sequence[str] = (), cwd: Optional[str] = None) -> RunResult:
+    """Run `script` (path + its arguments) under mecefo-launch with the schedule's faults.
+
+    The launcher runs in its own session; past `limit_s` the whole process group is killed and the
+    result has returncode None (a hang)."""
+    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(schedule.world),
+           "--master-port", "0", "--max-restarts", "10", *schedule.launcher_flags(), *launcher_args,
+           *script, *schedule.flags()]
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(out / "launcher.out", "w") as fo, open(out / "launcher.err", "w") as fe:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=fo, stderr=fe, start_new_session=True)
+        try:
+            code: Optional[int] = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+    return RunResult(code, time.monotonic() - t0, (out / "launcher.out").read_text(errors="replace"),
+                     (out / "launcher.err").read_text(errors="replace"))
+
+
+def _jsonl(path: Path) -> List[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a rank killed mid-write leaves a torn last line
+            pass
+    return out
+
+
+def step_records(log_dir: Path, world: int) -> Dict[int, List[dict]]:
+    by_step: Dict[int, List[dict]] = defaultdict(list)
+    for r in range(world):
+        for rec in _jsonl(log_dir / f"steps_rank{r}.jsonl"):
+            by_step[rec["step"]].append(rec)
+    return by_step
+
+
+def events(log_dir: Path, world: int, name: str) -> List[dict]:
+    return [e for r in range(world) for e in _jsonl(log_dir / f"events_rank{r}.jsonl") if e["event"] == name]
+
+
+def _check_steps(records: Dict[int, List[dict]], world: int, k: int, last: int) -> List[str]:
+    bad = []
+    if sorted(records) != list(range(last)):
+        bad.append(f"committed steps are not 0..{last - 1}: missing {sorted(set(range(last)) - set(records))[:10]}, "
+                   f"extra {sorted(set(records) - set(range(last)))[:10]}")
+    full = [(d, j) for d in range(world) for j in range(k)]
+    for step in sorted(records):
+        recs = records[step]
+        if len({r["generation"] for r in recs}) != 1:
+            bad.append(f"step {step} committed by several generations: {sorted({r['generation'] for r in recs})}")
+        ranks = [r["rank"] for r in recs]
+        if len(ranks) != len(set(ranks)):
+            bad.append(f"step {step} committed twice by one rank: {sorted(ranks)}")
+        mbs = sorted((m[0], m[1]) for r in recs for m in r["micro_batches"])
+        if mbs != full:
+            bad.append(f"step {step} did not consume the global batch exactly once: {mbs}")
+        hashes = {r.get("param_sha256") for r in recs}
+        if len(hashes) > 1:
+            bad.append(f"replicas differ at the start of step {step}")
+        if len(bad) > 12:
+            break
+    return bad
+
+
+def check_run(result: RunResult, log_dir: Path, schedule: Schedule, *, k: int, bound_s: float) -> tuple:
+    """Check the invariants of one run. Returns (outcome, violations): outcome is "finished",
+    "gave_up" or "failed"; violations is a list of strings (empty: the run ended well)."""
+    bad: List[str] = []
+    world = schedule.world
+    if result.returncode is None:
+        return "failed", [f"did not end within {result.elapsed_s:.0f} s (hung)"]
+    if result.elapsed_s > bound_s:
+        bad.append(f"took {result.elapsed_s:.0f} s, over the bound of {bound_s:.0f} s")
+    records = step_records(log_dir, world)
+    if result.returncode == 0:
+        bad += _check_steps(records, world, k, schedule.steps)
+        return ("finished" if not bad else "failed"), bad
+    if result.returncode != 3:
+        return "failed", bad + [f"launcher exit status {result.returncode} (expected 0, or 3 for a clean give-up)"]
+    last = max(records) + 1 if records else 0
+    bad += _check_steps(records, world, k, last)
+    gave_up = events(log_dir, world, "gave_up")
+    roots = [e for e in gave_up if e["kind"] != "JobAborted"]
+    if not roots:
+        bad.append("exit 3 but no rank recorded why it gave up")
+    for e in roots:
+        if e["kind"] == "NoCoverAvailable":
+            try:
+                plan_cover(Grid(dp=world), e["members"])
+                bad.append(f"gave up for no cover although survivors {e['members']} can be covered")
+            except NoCoverAvailable:
+                pass
+        elif e["kind"] != "StateLost":
+            bad.append(f"gave up for {e['kind']}: {e['reason']}")
+    holders = [e for e in gave_up if e.get("has_state")]
+    written = [e for e in gave_up if e.get("checkpoint")]
+    if holders and not written:
+        bad.append(f"ranks {[e['rank'] for e in holders]} held the state but no checkpoint was written")
+    for e in written:
+        if e["step"] != last:
+            bad.append(f"checkpoint of step {e['step']}, but {last} steps were committed")
+        if not Path(e["checkpoint"]).exists():
+            bad.append(f"checkpoint {e['checkpoint']} does not exist")
+    if "the job gave up" not in result.stderr:
+        bad.append("the launcher did not say why the job ended")
+    return ("gave_up" if not bad else "failed"), bad

@@ -1,0 +1,104 @@
+"""Running chaos schedules against the toy runtime job and examples/pretrain_gpt (tests + benchmark).
+
+Not collected by pytest. The toy job runs MeCeFO's runtime with the approximations off, so a run
+that finishes must also equal the fault-free reference (`tests/elastic/toy_train.py --reference`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from megatron_mecefo.elastic import chaos
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Short timeouts so that a schedule takes seconds; the invariants hold for any values.
+TOY_TIMEOUTS = dict(collective_timeout_s=3.0, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.2, agree_timeout_s=8.0)
+TOY = dict(steps=24, k=2, mb=4, step_sleep=0.04)
+EXACT = ["--mecefo", "--no-mecefo-skip-attention", "--no-mecefo-lowrank-ffn", "--mecefo-recompute-ffn", "never"]
+
+
+def timeout_flags(t: dict) -> List[str]:
+    return [x for key, v in t.items() for x in (f"--mecefo-{key.replace('_', '-')}", str(v))]
+
+
+def toy_reference(out: Path, world: int) -> dict:
+    from tests.elastic import toy_train
+
+    out.mkdir(parents=True, exist_ok=True)
+    toy_train.reference(argparse.Namespace(steps=TOY["steps"], k=TOY["k"], mb=TOY["mb"], world=world, out=out))
+    return torch.load(out / "reference.pt", weights_only=False)
+
+
+def toy_bound(schedule: chaos.Schedule) -> float:
+    return chaos.time_bound(faults=len(schedule.faults), restart_after=schedule.restart_after, startup_s=8.0,
+                            fault_free_s=20.0, **{k: v for k, v in TOY_TIMEOUTS.items() if k != "heartbeat_interval_s"})
+
+
+def run_toy(schedule: chaos.Schedule, out: Path, reference: Optional[dict]) -> tuple:
+    """Run one schedule on the toy job; returns (outcome, violations, result)."""
+    script = [str(ROOT / "tests/elastic/toy_train.py"), "--out", str(out), "--steps", str(schedule.steps),
+              "--k", str(TOY["k"]), "--mb", str(TOY["mb"]), "--step-sleep", str(TOY["step_sleep"]),
+              *EXACT, *timeout_flags(TOY_TIMEOUTS)]
+    bound = toy_bound(schedule)
+    result = chaos.run_schedule(schedule, script, out, limit_s=bound + 60, cwd=str(ROOT))
+    outcome, bad = chaos.check_run(result, out, schedule, k=TOY["k"], bound_s=bound)
+    if outcome == "finished" and reference is not None:
+        bad += _toy_finals(out, schedule, reference)
+        outcome = "finished" if not bad else "failed"
+    return outcome, bad, result
+
+
+def _toy_finals(out: Path, schedule: chaos.Schedule, reference: dict) -> List[str]:
+    """Every rank that finished holds the same parameters and Adam state, equal to fault-free."""
+    finals = {p: torch.load(p, weights_only=False) for p in sorted(out.glob("final_rank*.pt"))}
+    if not finals:
+        return ["finished but no rank wrote its final state"]
+    bad = []
+    first = next(iter(finals.values()))
+    for path, f in finals.items():
+        if f["step"] != schedule.steps:
+            bad.append(f"{path.name} ended at step {f['step']}")
+        if not all(torch.equal(a, b) for a, b in zip(first["params"], f["params"])):
+            bad.append(f"{path.name} differs from the other finished ranks")
+        for sa, sb in zip(first["opt"]["state"].values(), f["opt"]["state"].values()):
+            if not all(torch.equal(sa[key], sb[key]) for key in ("exp_avg", "exp_avg_sq", "step")):
+                bad.append(f"{path.name}: Adam state differs")
+                break
+    for a, b in zip(reference["params"], first["params"]):
+        if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
+            bad.append(f"final parameters differ from the fault-free run (max abs diff {(a - b).abs().max():.3g})")
+            break
+    return bad
+
+
+# -- examples/pretrain_gpt -------------------------------------------------------------------------
+
+PRETRAIN_TIMEOUTS = dict(collective_timeout_s=5.0, heartbeat_interval_s=0.3, heartbeat_timeout_s=2.0, agree_timeout_s=20.0)
+PRETRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "2", "--global-batch-size", "16", "--lr", "1e-3", "--log-interval", "20",
+            "--eval-iters", "2", "--mecefo", "--mecefo-rank", "8", "--mecefo-log-param-hash"]
+
+
+def run_pretrain(schedule: chaos.Schedule, out: Path, *, fault_free_s: float = 60.0) -> tuple:
+    """Run one schedule on examples/pretrain_gpt (4 ranks, 2 micro-batches per replica)."""
+    k = 16 // (2 * schedule.world)
+    script = [str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"), "--deepspeed_config",
+              str(ROOT / "examples/pretrain_gpt/ds_config.json"), *PRETRAIN, "--train-iters", str(schedule.steps),
+              "--eval-interval", str(schedule.steps), "--save", str(out / "ckpt"), "--mecefo-log-dir", str(out),
+              *timeout_flags(PRETRAIN_TIMEOUTS)]
+    bound = chaos.time_bound(faults=len(schedule.faults), restart_after=schedule.restart_after, startup_s=15.0,
+                             fault_free_s=fault_free_s,
+                             **{k_: v for k_, v in PRETRAIN_TIMEOUTS.items() if k_ != "heartbeat_interval_s"})
+    result = chaos.run_schedule(schedule, script, out, limit_s=bound + 60, cwd=str(ROOT))
+    outcome, bad = chaos.check_run(result, out, schedule, k=k, bound_s=bound)
+    if outcome == "finished":
+        iters = [int(x) for x in re.findall(r"iteration\s+(\d+)/", result.stdout)]
+        if schedule.steps not in iters:
+            bad.append("finished without logging the last iteration")
+    return ("failed" if bad else outcome), bad, result
