@@ -83,13 +83,14 @@ def random_schedule(seed: int, world: int, steps: int, *, max_faults: int = 4,
                     restart_choices: Sequence[Optional[float]] = (0.5, 1.0, 2.0, 4.0, None)) -> Schedule:
     """A deterministic random schedule of 1..max_faults faults over `steps` steps of `world` ranks."""
     rng = random.Random(seed)
+    restart_after = rng.choice(tuple(restart_choices))
     n = rng.randint(1, max_faults)
     anchor = rng.randrange(1, max(2, steps - 2))
     faults, victims = [], []
-    for _ in range(n):
+    for i in range(n):
         kind = "hang" if rng.random() < 0.3 else "kill"
         roll = rng.random()
-        if victims and roll < 0.25:  # the restarted victim again, while it comes back
+        if victims and restart_after is not None and roll < 0.25:  # a restarted victim, while it comes back
             rank, inc = rng.choice(victims), 1
             step = "*" if rng.random() < 0.6 else min(steps - 1, anchor + rng.randint(0, 6))
             phase = rng.choice(_REJOIN_PHASES)
@@ -100,12 +101,13 @@ def random_schedule(seed: int, world: int, steps: int, *, max_faults: int = 4,
                 rank = (victims[-1] + 1) % world  # the neighbour that covers the last victim
             else:
                 rank = rng.randrange(world)
-            inc, phase = 0, rng.choice(_TRAIN_PHASES + ("recovery",))  # recovery twice as likely
-            step = min(steps - 1, anchor + rng.choice((0, 0, 1, 1, 2, 3, 5)))
+            # the first fault starts a recovery; later ones may strike during it
+            inc, phase = 0, rng.choice(_TRAIN_PHASES[:4] if i == 0 else _TRAIN_PHASES + ("recovery",))
+            step = min(steps - 1, anchor + (0 if i == 0 else rng.choice((0, 0, 1, 1, 2, 3, 5))))
         faults.append(Fault(kind, rank, step, phase, inc))
         victims.append(rank)
         anchor = step if isinstance(step, int) else anchor
-    return Schedule(seed, world, steps, tuple(faults), rng.choice(tuple(restart_choices)))
+    return Schedule(seed, world, steps, tuple(faults), restart_after)
 
 
 def time_bound(*, faults: int, collective_timeout_s: float, agree_timeout_s: float, heartbeat_timeout_s: float,
@@ -216,7 +218,7 @@ def check_run(result: RunResult, log_dir: Path, schedule: Schedule, *, k: int, b
     bad += _check_steps(records, world, k, last)
     gave_up = events(log_dir, world, "gave_up")
     roots = [e for e in gave_up if e["kind"] != "JobAborted"]
-    if not roots:
+    if not roots and "no rank of the job is left running" not in result.stderr:
         bad.append("exit 3 but no rank recorded why it gave up")
     for e in roots:
         if e["kind"] == "NoCoverAvailable":

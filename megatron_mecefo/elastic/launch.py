@@ -221,10 +221,16 @@ def main(argv=None) -> int:
                 else:
                     logger.info("rank %d is not restarted: no rank of the job is left running to rejoin", r.rank)
         live = [r for r in ranks if r.proc is not None]
-        if not ending and args.nnodes == 1 and any(r.restart_at for r in ranks) and \
-                not any(not _stopped(r.proc.pid) for r in live):
+        # every rank crashed or hangs (and none failed on its own: that error is reported as it is)
+        if not ending and args.nnodes == 1 and first_error is None and any((r.final or 0) < 0 for r in ranks) \
+                and not any(not _stopped(r.proc.pid) for r in live) and not client_finished(client):
             ending[:] = [("no_rank", None)]
             logger.info("no rank of the job is left running: pending restarts are cancelled")
+            try:
+                client.compare_set("job/failed", "", json.dumps(
+                    {"reason": "no rank of the job is left running (every rank holding the state failed)"}))
+            except Exception as e:
+                logger.info("could not record the outcome in the store: %s", e)
             for r in ranks:
                 r.restart_at = None
         if live and all(_stopped(r.proc.pid) for r in live) and not any(r.restart_at for r in ranks):
@@ -246,15 +252,12 @@ def main(argv=None) -> int:
     if ending and ending[0][0] == "signal":
         return 128 + ending[0][1]
     outcome = _job_outcome(client)
-    if outcome is not None or (ending and ending[0][0] == "gave_up"):
+    if outcome is not None or (ending and ending[0][0] in ("gave_up", "no_rank")):
         reason = (outcome or {}).get("reason", "a rank exited with status 3")
         ckpt = (outcome or {}).get("checkpoint")
         where = (f"checkpoint of step {ckpt['step']} at {ckpt['path']}" if ckpt else "no checkpoint was written")
         logger.error("the job gave up: %s; %s", reason, where)
         return GAVE_UP_EXIT_CODE
-    if ending and ending[0][0] == "no_rank":
-        logger.error("the job ended: every rank failed and none was left running to restart into")
-        return first_error or 1
     if first_error is not None:
         return first_error
     return 0 if ok_exits else 1

@@ -40,12 +40,12 @@ def toy_bound(schedule: chaos.Schedule) -> float:
                             fault_free_s=20.0, **{k: v for k, v in TOY_TIMEOUTS.items() if k != "heartbeat_interval_s"})
 
 
-def run_toy(schedule: chaos.Schedule, out: Path, reference: Optional[dict]) -> tuple:
+def run_toy(schedule: chaos.Schedule, out: Path, reference: Optional[dict], step_sleep: float = TOY["step_sleep"]) -> tuple:
     """Run one schedule on the toy job; returns (outcome, violations, result)."""
     script = [str(ROOT / "tests/elastic/toy_train.py"), "--out", str(out), "--steps", str(schedule.steps),
-              "--k", str(TOY["k"]), "--mb", str(TOY["mb"]), "--step-sleep", str(TOY["step_sleep"]),
+              "--k", str(TOY["k"]), "--mb", str(TOY["mb"]), "--step-sleep", str(step_sleep),
               *EXACT, *timeout_flags(TOY_TIMEOUTS)]
-    bound = toy_bound(schedule)
+    bound = toy_bound(schedule) + 2 * step_sleep * TOY["k"] * schedule.steps
     result = chaos.run_schedule(schedule, script, out, limit_s=bound + 60, cwd=str(ROOT))
     outcome, bad = chaos.check_run(result, out, schedule, k=TOY["k"], bound_s=bound)
     if outcome == "finished" and reference is not None:

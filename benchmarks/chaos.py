@@ -1,0 +1,107 @@
+"""Chaos benchmark: many seeded random failure schedules against the toy runtime job and against
+examples/pretrain_gpt, each checked against the invariants of megatron_mecefo.elastic.chaos.
+
+    python benchmarks/chaos.py                       # 200 toy + 20 pretrain_gpt schedules (~1.5 h on 2 cores)
+    python benchmarks/chaos.py --toy 20 --pretrain 2 # a quick look
+    python benchmarks/chaos.py --toy-seeds 17 42     # rerun given seeds
+
+Writes benchmarks/results/chaos.json: per job kind the number of schedules, how many finished,
+how many gave up cleanly, the violations (must be 0; each with its seed and the exact
+--mecefo-inject flags), the injected faults that fired, and the slowest recovery observed
+(detection to a new working generation, from the ranks' regroup events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_mecefo.elastic import chaos  # noqa: E402
+from tests.elastic import chaos_util  # noqa: E402
+
+
+def slowest_recovery(log_dir: Path, world: int) -> float:
+    """Longest detection-to-regrouped time of any regroup after a failure (seconds)."""
+    times = [e["detect_to_recover_s"] + e["agree_s"] + e["regroup_s"]
+             for e in chaos.events(log_dir, world, "regroup") if e.get("detect_to_recover_s") is not None]
+    return max(times, default=0.0)
+
+
+def run_many(kind: str, seeds, work: Path, world_of, steps: int) -> dict:
+    refs = {}
+    summary = {"schedules": 0, "finished": 0, "gave_up_cleanly": 0, "violations": 0, "faults_fired": 0,
+               "slowest_recovery_s": 0.0, "slowest_run_s": 0.0, "failures": []}
+    for seed in seeds:
+        world = world_of(seed)
+        schedule = chaos.random_schedule(seed, world, steps)
+        out = work / f"{kind}-{seed}"
+        shutil.rmtree(out, ignore_errors=True)
+        if kind == "toy":
+            if world not in refs:
+                refs[world] = chaos_util.toy_reference(work / f"ref{world}", world)
+            outcome, bad, result = chaos_util.run_toy(schedule, out, refs[world])
+        else:
+            outcome, bad, result = chaos_util.run_pretrain(schedule, out)
+        summary["schedules"] += 1
+        summary["finished"] += outcome == "finished"
+        summary["gave_up_cleanly"] += outcome == "gave_up"
+        summary["faults_fired"] += result.stderr.count("[mecefo inject]")
+        summary["slowest_recovery_s"] = max(summary["slowest_recovery_s"], slowest_recovery(out, world))
+        summary["slowest_run_s"] = max(summary["slowest_run_s"], result.elapsed_s)
+        if bad:
+            summary["violations"] += 1
+            summary["failures"].append({"seed": seed, "reproduce": schedule.describe(), "violations": bad[:10]})
+            keep = ROOT / "benchmarks" / "results" / "chaos_failures" / f"{kind}-{seed}"
+            shutil.copytree(out, keep, dirs_exist_ok=True)
+        print(f"[{kind}] seed {seed}: {outcome} in {result.elapsed_s:.1f} s, "
+              f"{result.stderr.count('[mecefo inject]')}/{len(schedule.faults)} faults fired"
+              + (f"\n    VIOLATION {schedule.describe()}\n    " + "\n    ".join(bad[:5]) if bad else ""), flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+    summary["slowest_recovery_s"] = round(summary["slowest_recovery_s"], 2)
+    summary["slowest_run_s"] = round(summary["slowest_run_s"], 1)
+    return summary
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--toy", type=int, default=200, help="toy schedules (seeds 0..N-1)")
+    p.add_argument("--pretrain", type=int, default=20, help="pretrain_gpt schedules (seeds 0..N-1)")
+    p.add_argument("--toy-seeds", type=int, nargs="*", default=None)
+    p.add_argument("--pretrain-seeds", type=int, nargs="*", default=None)
+    p.add_argument("--pretrain-steps", type=int, default=40)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chaos.json")
+    args = p.parse_args(argv)
+    toy_seeds = args.toy_seeds if args.toy_seeds is not None else range(args.toy)
+    pre_seeds = args.pretrain_seeds if args.pretrain_seeds is not None else range(args.pretrain)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mecefo-chaos-") as tmp:
+        work = Path(tmp)
+        results = {
+            "toy": run_many("toy", toy_seeds, work, lambda s: 2 + s % 3, chaos_util.TOY["steps"]),
+            "pretrain_gpt": run_many("pretrain", pre_seeds, work, lambda s: 4 if s % 2 == 0 else 2,
+                                     args.pretrain_steps),
+        }
+    results["settings"] = {
+        "toy": {**chaos_util.TOY, **chaos_util.TOY_TIMEOUTS, "ranks": "2-4", "approximations": "off (exact fold)"},
+        "pretrain_gpt": {"steps": args.pretrain_steps, "ranks": "2 or 4", "args": chaos_util.PRETRAIN,
+                         **chaos_util.PRETRAIN_TIMEOUTS, "approximations": "on (defaults)"},
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    total = results["toy"]["violations"] + results["pretrain_gpt"]["violations"]
+    print(json.dumps({k: {x: v for x, v in r.items() if x != "failures"} for k, r in results.items() if k != "settings"}, indent=2))
+    print(f"wrote {args.out}")
+    return 1 if total else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The chaos harness: schedules, the invariant checker (it must catch broken runs), and a fixed set
+of compound-failure schedules on the toy runtime job, each a regression test."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_mecefo.config import MeCeFOConfig
+from megatron_mecefo.elastic import chaos
+from megatron_mecefo.elastic.chaos import Fault, Schedule
+
+# -- schedules (pure) ------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_random_schedules_are_deterministic_and_parse_as_flags():
+    a = [chaos.random_schedule(s, 4, 30) for s in range(50)]
+    assert a == [chaos.random_schedule(s, 4, 30) for s in range(50)]
+    kinds = {f.phase for s in a for f in s.faults}
+    assert {"recovery", "join", "transfer"} <= kinds, "compound orders are drawn"
+    assert any(f.rank == 0 for s in a for f in s.faults), "the deciding rank is a target"
+    assert any(f.incarnation == 1 for s in a for f in s.faults), "restarted ranks are targets"
+    for s in a:
+        rules = MeCeFOConfig.from_ds_config({"inject": [f.flag() for f in s.faults]}).inject
+        assert [(r["kind"], r["rank"], r["step"], r["phase"], r["incarnation"]) for r in rules] == \
+               [(f.kind, f.rank, f.step, f.phase, f.incarnation) for f in s.faults]
+        assert all(0 <= f.rank < 4 for f in s.faults)
+
+
+# -- the checker catches what it must --------------------------------------------------------------
+
+K = 2
+
+
+def _write_logs(d: Path, steps, world=3, cover_step=None, drop=None, hash_of=None):
+    """Step records of a healthy 3-rank run, with optional damage."""
+    for r in range(world):
+        with open(d / f"steps_rank{r}.jsonl", "w") as f:
+            for s in range(steps):
+                mbs = [[r, j, False] for j in range(K)]
+                if drop == (s, r):
+                    mbs = mbs[:1]
+                rec = {"event": "step", "rank": r, "step": s, "generation": 0, "micro_batches": mbs,
+                       "param_sha256": (hash_of or {}).get((s, r), f"h{s}")}
+                f.write(json.dumps(rec) + "\n")
+
+
+def _result(code, elapsed=10.0, stderr=""):
+    return chaos.RunResult(code, elapsed, "", stderr)
+
+
+SCHED = Schedule(seed=0, world=3, steps=5, faults=(Fault("kill", 1, 2, "backward"),), restart_after=None)
+
+
+@pytest.mark.unit
+def test_checker_passes_a_good_run_and_catches_damage(tmp_path):
+    _write_logs(tmp_path, 5)
+    assert chaos.check_run(_result(0), tmp_path, SCHED, k=K, bound_s=60) == ("finished", [])
+    outcome, bad = chaos.check_run(_result(0, elapsed=100), tmp_path, SCHED, k=K, bound_s=60)
+    assert outcome == "failed" and "over the bound" in bad[0]
+    assert chaos.check_run(_result(None), tmp_path, SCHED, k=K, bound_s=60)[1][0].endswith("(hung)")
+    assert "exit status 1" in chaos.check_run(_result(1), tmp_path, SCHED, k=K, bound_s=60)[1][-1]
+    _write_logs(tmp_path, 4)
+    assert "committed steps are not 0..4" in chaos.check_run(_result(0), tmp_path, SCHED, k=K, bound_s=60)[1][0]
+    _write_logs(tmp_path, 5, drop=(3, 1))
+    assert "exactly once" in chaos.check_run(_result(0), tmp_path, SCHED, k=K, bound_s=60)[1][0]
+    _write_logs(tmp_path, 5, hash_of={(2, 2): "other"})
+    assert chaos.check_run(_result(0), tmp_path, SCHED, k=K, bound_s=60)[1] == ["replicas differ at the start of step 2"]
+
+
+def _gave_up(d: Path, rank, **fields):
+    rec = {"event": "gave_up", "rank": rank, "kind": "NoCoverAvailable", "reason": "r", "step": 3,
+           "members": [0], "has_state": True, "checkpoint": None, **fields}
+    with open(d / f"events_rank{rank}.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+@pytest.mark.unit
+def test_checker_accepts_only_real_give_ups(tmp_path):
+    said = "[mecefo-launch] the job gave up: ..."
+    _write_logs(tmp_path, 3)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _gave_up(tmp_path, 0, checkpoint=str(ckpt))
+    assert chaos.check_run(_result(3, stderr=said), tmp_path, SCHED, k=K, bound_s=60) == ("gave_up", [])
+    # the launcher must say why
+    assert "did not say why" in chaos.check_run(_result(3), tmp_path, SCHED, k=K, bound_s=60)[1][0]
+    # survivors [0, 1] of 3 replicas can be covered: giving up is a bug
+    (tmp_path / "events_rank0.jsonl").unlink()
+    _gave_up(tmp_path, 0, checkpoint=str(ckpt), members=[0, 1])
+    assert "can be covered" in chaos.check_run(_result(3, stderr=said), tmp_path, SCHED, k=K, bound_s=60)[1][0]
+    # a state holder gave up but wrote no checkpoint
+    (tmp_path / "events_rank0.jsonl").unlink()
+    _gave_up(tmp_path, 0)
+    assert "no checkpoint was written" in chaos.check_run(_result(3, stderr=said), tmp_path, SCHED, k=K, bound_s=60)[1][0]
+    # a checkpoint of the wrong step
+    (tmp_path / "events_rank0.jsonl").unlink()
+    _gave_up(tmp_path, 0, checkpoint=str(ckpt), step=2)
+    assert "checkpoint of step 2, but 3 steps" in chaos.check_run(_result(3, stderr=said), tmp_path, SCHED, k=K, bound_s=60)[1][0]
+    # a timeout is not a reason
+    (tmp_path / "events_rank0.jsonl").unlink()
+    _gave_up(tmp_path, 0, checkpoint=str(ckpt), kind="AgreementTimeout")
+    assert "gave up for AgreementTimeout" in chaos.check_run(_result(3, stderr=said), tmp_path, SCHED, k=K, bound_s=60)[1][0]
+
+
+# -- fixed compound schedules on the toy runtime job (real processes, SIGKILL / SIGSTOP) ------------
+
+from tests.elastic import chaos_util  # noqa: E402
+
+REGRESSIONS = {
+    # The compound-failure reproducer, on the toy: rank 0 is killed and restarted; rank 2 hangs while
+    # rank 0 waits to be admitted; rank 3 dies right after the agreement of the generation that
+    # admits rank 0. Before the fix, the next generation took rank 0 in without the state (step 0)
+    # and the job deadlocked on two different commit keys.
+    # Steps take 0.5 s (1 s while covering): rank 0 restarts 3.5 s after its kill at step 8 and
+    # announces itself 1-2 s later, during the ~4.5 s recovery from the hang at step 12 (entered
+    # ~4.5 s after the kill), so the commit of step 12 admits it and rank 3 dies at step 13.
+    "joiner_caught_in_a_recovery": Schedule(1001, 4, 24, (
+        Fault("kill", 0, 8, "optimizer"), Fault("hang", 2, 12, "allreduce"), Fault("kill", 3, 13, "recovery")), 3.5),
+    # A member that is not the donor dies while the state goes to a restarted rank.
+    "member_dies_mid_transfer": Schedule(1007, 4, 24, (
+        Fault("kill", 1, 3, "backward"), Fault("kill", 3, "*", "transfer")), 0.5),
+    # The donor dies while it sends the state to a restarted rank: the others form a new generation
+    # and the next donor sends it (before the fix the receivers crashed).
+    "donor_dies_mid_transfer": Schedule(1002, 3, 24, (
+        Fault("kill", 1, 3, "backward"), Fault("kill", 0, "*", "transfer")), 0.5),
+    # The restarted rank itself dies while it receives the state; then comes back once more.
+    "joiner_dies_mid_transfer": Schedule(1003, 3, 24, (
+        Fault("kill", 2, 3, "allreduce"), Fault("kill", 2, "*", "transfer", 1)), 0.5),
+    # The deciding rank and its covering neighbour fail together, during the recovery.
+    "decider_and_cover_together": Schedule(1004, 4, 24, (
+        Fault("kill", 0, 5, "allreduce"), Fault("hang", 1, 5, "recovery")), 1.0),
+    # The last rank that holds the state cannot cover: the job gives up with a checkpoint; the
+    # launcher restarts nobody into the dead job (before the fix: no checkpoint, and restarted ranks
+    # waited until an outside kill).
+    "last_survivor_gives_up": Schedule(1005, 3, 24, (
+        Fault("hang", 2, 4, "backward"), Fault("kill", 0, 8, "forward"), Fault("kill", 1, 12, "backward")), 0.5),
+    # Every rank with the state dies while a restarted rank waits to be admitted: nobody can send
+    # it the state, so it ends the job (StateLost) instead of waiting forever.
+    "state_lost_while_a_joiner_waits": Schedule(1006, 2, 24, (
+        Fault("kill", 1, 2, "backward"), Fault("kill", 0, 14, "forward")), 0.3),
+}
+
+
+@pytest.fixture(scope="module")
+def toy_references(tmp_path_factory):
+    return {w: chaos_util.toy_reference(tmp_path_factory.mktemp(f"ref{w}"), w) for w in (2, 3, 4)}
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+@pytest.mark.parametrize("name", sorted(REGRESSIONS))
+def test_compound_schedule(tmp_path, toy_references, name):
+    schedule = REGRESSIONS[name]
+    slow = name in ("joiner_caught_in_a_recovery", "state_lost_while_a_joiner_waits")  # the restart must be waiting
+    outcome, bad, result = chaos_util.run_toy(schedule, tmp_path, toy_references[schedule.world],
+                                              step_sleep=0.25 if slow else chaos_util.TOY["step_sleep"])
+    assert not bad, f"{schedule.describe()}\n" + "\n".join(bad) + "\n" + result.stderr[-4000:]
+    fired = result.stderr.count("[mecefo inject]")
+    if name == "joiner_caught_in_a_recovery":
+        assert outcome == "finished"
+        assert "rank 3: kill at step 13 (recovery)" in result.stderr, "the admission generation lost a member"
+        rejoined = [e for e in chaos.events(tmp_path, 4, "regroup") if e["rank"] == 0 and e["joiners"] == [0]]
+        assert [e["step"] for e in rejoined] == [13], "rank 0 got the state of step 13 before it trained"
+    elif name in ("donor_dies_mid_transfer", "joiner_dies_mid_transfer", "member_dies_mid_transfer"):
+        assert outcome == "finished" and fired == 2
+        regroups = chaos.events(tmp_path, schedule.world, "regroup")
+        assert any(e["joiners"] for e in regroups)
+    elif name == "last_survivor_gives_up":
+        assert outcome == "gave_up"
+        (ckpt,) = [e for e in chaos.events(tmp_path, 3, "gave_up") if e["checkpoint"]]
+        assert ckpt["kind"] == "NoCoverAvailable" and ckpt["rank"] == 1
+        import torch
+
+        assert torch.load(ckpt["checkpoint"], weights_only=False)["step"] == 12
+        assert "will restart" not in result.stderr.split("rank 1 (pid")[-1], "no restart into a job that gave up"
+    elif name == "state_lost_while_a_joiner_waits":
+        assert outcome == "gave_up"
+        kinds = {e["kind"] for e in chaos.events(tmp_path, 2, "gave_up")}
+        assert "StateLost" in kinds, kinds
+    else:
+        assert outcome == "finished" and fired == len(schedule.faults)
