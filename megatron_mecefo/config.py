@@ -20,7 +20,7 @@ __all__ = ["MeCeFOConfig", "LaunchEnv", "prepare_nccl_error_handling", "RECOMPUT
 
 RECOMPUTE_CHOICES = ("auto", "always", "never")
 INJECT_KINDS = ("kill", "hang")
-INJECT_PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "join", "transfer")
+INJECT_PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "join", "transfer", "admit")
 APPROXIMATE_CHOICES = ("all", "adopted")
 
 

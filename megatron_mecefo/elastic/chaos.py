@@ -39,7 +39,7 @@ from megatron_mecefo.errors import NoCoverAvailable
 
 __all__ = ["Fault", "Schedule", "random_schedule", "run_schedule", "check_run", "time_bound", "RunResult"]
 
-_TRAIN_PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery")
+_TRAIN_PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "admit")
 _REJOIN_PHASES = ("join", "transfer", "forward", "allreduce")
 
 
@@ -104,6 +104,8 @@ def random_schedule(seed: int, world: int, steps: int, *, max_faults: int = 4,
             # the first fault starts a recovery; later ones may strike during it
             inc, phase = 0, rng.choice(_TRAIN_PHASES[:4] if i == 0 else _TRAIN_PHASES + ("recovery",))
             step = min(steps - 1, anchor + (0 if i == 0 else rng.choice((0, 0, 1, 1, 2, 3, 5))))
+            if phase == "admit":  # whenever a restarted rank is let back in
+                step = "*"
         faults.append(Fault(kind, rank, step, phase, inc))
         victims.append(rank)
         anchor = step if isinstance(step, int) else anchor

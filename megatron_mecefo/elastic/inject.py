@@ -5,7 +5,8 @@
 `maybe_fire(step, phase)` at the phase boundaries forward | backward | allreduce | optimizer; the
 runtime itself fires "allreduce", "recovery" (after the agreement on a new generation), "join" (a
 restarted rank, once admitted, before its generation forms) and "transfer" (every member of a
-generation that hands the state to joiners, between the size and the payload). A rule fires in the
+generation that hands the state to joiners, between the size and the payload) and "admit" (every
+member, right after a commit decision that admits restarted ranks). A rule fires in the
 incarnation it names (0, the first start, by default; a restarted rank does not kill itself again
 unless a rule names its incarnation) at its step, or at any step with step "*":
 "kill" is SIGKILL (a crash), "hang" is SIGSTOP (alive but silent, heartbeat frozen).
@@ -31,7 +32,7 @@ __all__ = ["FaultInjector", "PHASES", "TraceEvent", "failure_trace", "trace_from
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "join", "transfer")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "join", "transfer", "admit")
 
 PAPER_SCENARIOS = {"low": (2.0, 4.0), "medium": (1.0, 3.0), "high": (0.5, 2.0)}
 """The paper's failure scenarios: (mean time between failures, recovery time) in hours."""

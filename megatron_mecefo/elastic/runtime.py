@@ -313,6 +313,7 @@ class ElasticRuntime:
                 self.store.set("job/progress", str(self.step + 1))  # read by trace-restarted ranks
             if decision.joiners:
                 self._pending = (decision.next_generation, sorted(set(self.members) | set(decision.joiners)))
+                self.injector.maybe_fire(self.step, "admit")
             p = self.plan()
             self.steps_log.write(
                 "step", step=self.step, generation=self.generation, live=list(self.members),

@@ -18,7 +18,7 @@ def test_random_schedules_are_deterministic_and_parse_as_flags():
     a = [chaos.random_schedule(s, 4, 30) for s in range(50)]
     assert a == [chaos.random_schedule(s, 4, 30) for s in range(50)]
     kinds = {f.phase for s in a for f in s.faults}
-    assert {"recovery", "join", "transfer"} <= kinds, "compound orders are drawn"
+    assert {"recovery", "join", "transfer", "admit"} <= kinds, "compound orders are drawn"
     assert any(f.rank == 0 for s in a for f in s.faults), "the deciding rank is a target"
     assert any(f.incarnation == 1 for s in a for f in s.faults), "restarted ranks are targets"
     for s in a:
@@ -134,12 +134,12 @@ REGRESSIONS = {
     # The last rank that holds the state cannot cover: the job gives up with a checkpoint; the
     # launcher restarts nobody into the dead job (before the fix: no checkpoint, and restarted ranks
     # waited until an outside kill).
-    "last_survivor_gives_up": Schedule(1005, 3, 24, (
-        Fault("hang", 2, 4, "backward"), Fault("kill", 0, 8, "forward"), Fault("kill", 1, 12, "backward")), 0.5),
-    # Every rank with the state dies while a restarted rank waits to be admitted: nobody can send
-    # it the state, so it ends the job (StateLost) instead of waiting forever.
-    "state_lost_while_a_joiner_waits": Schedule(1006, 2, 24, (
-        Fault("kill", 1, 2, "backward"), Fault("kill", 0, 14, "forward")), 0.3),
+    "last_survivor_gives_up": Schedule(1005, 4, 24, (
+        Fault("hang", 3, 4, "backward"), Fault("kill", 0, 8, "forward"), Fault("kill", 1, 9, "backward")), 0.5),
+    # The last rank with the state dies right after its commit decision admits a restarted rank:
+    # nobody can send the joiner the state, so it ends the job (StateLost) instead of waiting.
+    "state_lost_when_the_admitting_rank_dies": Schedule(1006, 2, 24, (
+        Fault("kill", 1, 2, "backward"), Fault("kill", 0, "*", "admit")), 0.3),
 }
 
 
@@ -153,7 +153,7 @@ def toy_references(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(REGRESSIONS))
 def test_compound_schedule(tmp_path, toy_references, name):
     schedule = REGRESSIONS[name]
-    slow = name in ("joiner_caught_in_a_recovery", "state_lost_while_a_joiner_waits")  # the restart must be waiting
+    slow = name == "joiner_caught_in_a_recovery"  # the restart must come during a recovery
     outcome, bad, result = chaos_util.run_toy(schedule, tmp_path, toy_references[schedule.world],
                                               step_sleep=0.25 if slow else chaos_util.TOY["step_sleep"])
     assert not bad, f"{schedule.describe()}\n" + "\n".join(bad) + "\n" + result.stderr[-4000:]
@@ -169,13 +169,13 @@ def test_compound_schedule(tmp_path, toy_references, name):
         assert any(e["joiners"] for e in regroups)
     elif name == "last_survivor_gives_up":
         assert outcome == "gave_up"
-        (ckpt,) = [e for e in chaos.events(tmp_path, 3, "gave_up") if e["checkpoint"]]
-        assert ckpt["kind"] == "NoCoverAvailable" and ckpt["rank"] == 1
+        (ckpt,) = [e for e in chaos.events(tmp_path, 4, "gave_up") if e["checkpoint"]]
+        assert ckpt["kind"] == "NoCoverAvailable" and ckpt["rank"] == 2
         import torch
 
-        assert torch.load(ckpt["checkpoint"], weights_only=False)["step"] == 12
-        assert "will restart" not in result.stderr.split("rank 1 (pid")[-1], "no restart into a job that gave up"
-    elif name == "state_lost_while_a_joiner_waits":
+        assert torch.load(ckpt["checkpoint"], weights_only=False)["step"] == 9
+        assert "will restart" not in result.stderr.split("ended: exit code 3")[-1], "no restart into a job that gave up"
+    elif name == "state_lost_when_the_admitting_rank_dies":
         assert outcome == "gave_up"
         kinds = {e["kind"] for e in chaos.events(tmp_path, 2, "gave_up")}
         assert "StateLost" in kinds, kinds

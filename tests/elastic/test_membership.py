@@ -1,0 +1,107 @@
+"""Membership logic against a real TCPStore, ranks as threads (no processes, no failures injected)."""
+
+import json
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from megatron_mecefo.elastic.membership import Membership
+from megatron_mecefo.errors import JobAborted, StateLost
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+
+
+def member(store, rank, **kw):
+    return Membership(store, "127.0.0.1", store.port, rank, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5,
+                      agree_timeout_s=kw.get("agree_timeout_s", 5.0))
+
+
+def agree_all(store, generation, steps):
+    """Each rank of `steps` (rank -> step or None) agrees in its own thread."""
+    out = {}
+
+    def run(r):
+        try:
+            out[r] = member(store, r).agree(generation, sorted(steps), steps[r])
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in steps]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_a_rank_without_state_joins_as_a_joiner_of_the_newest_step(store):
+    plans = agree_all(store, 3, {0: None, 1: 61, 2: 61})
+    assert {r: (p.members, p.joiners, p.step) for r, p in plans.items()} == {
+        r: ((0, 1, 2), (0,), 61) for r in range(3)}
+    assert plans[0].holders == (1, 2)
+
+
+def test_only_ranks_without_state_left_is_state_lost(store):
+    store.set("exited/1", "1")  # the only holder crashed
+    out = agree_all(store, 2, {0: None, 2: None, 1: 40})
+    assert isinstance(out[0], StateLost) and isinstance(out[2], StateLost)
+    assert json.loads(store.get("gen2/plan")) == {"lost": True, "members": [0, 2]}
+
+
+def test_a_waiting_joiner_ends_the_job_when_no_holder_is_alive(store):
+    store.set("gen0/plan", json.dumps({"members": [0, 1], "joiners": [], "step": 0}))
+    store.set("gen1/plan", json.dumps({"members": [1], "joiners": [], "step": 7}))
+    store.add("hb/1", 1)
+    store.set("exited/1", "1")
+    t0 = time.monotonic()
+    with pytest.raises(StateLost, match=r"generation 1 had members \[1\]"):
+        member(store, 0).request_join(timeout_s=30)
+    assert time.monotonic() - t0 < 5
+    assert "no rank holding the training state" in json.loads(store.get("job/failed"))["reason"]
+    with pytest.raises(JobAborted, match="the job gave up"):  # everybody else learns it
+        member(store, 2).check_job()
+
+
+def test_a_waiting_joiner_keeps_waiting_while_a_holder_lives(store):
+    store.set("gen0/plan", json.dumps({"members": [1], "joiners": [], "step": 0}))
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.1):
+            store.add("hb/1", 1)
+
+    threading.Thread(target=beat, daemon=True).start()
+    threading.Timer(2.0, lambda: store.set("joinee/0", "5")).start()
+    try:
+        assert member(store, 0).request_join(timeout_s=30) == 5
+    finally:
+        stop.set()
+
+
+def test_a_missing_commit_decision_becomes_an_abort(store):
+    m = member(store, 1, agree_timeout_s=1.0)
+    # rank 0, the decider, never decides (it is stuck elsewhere but its heartbeat is fine)
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.1):
+            store.add("hb/0", 1)
+
+    threading.Thread(target=beat, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        decision = m.decide(4, 9, [0, 1], ok=True, world=2)
+    finally:
+        stop.set()
+    assert not decision.commit and 1.0 <= time.monotonic() - t0 < 3
+    # a commit that got there first stands
+    store.set("gen4/step10/decision", json.dumps({"commit": True, "joiners": []}))
+    assert m.decide(4, 10, [0, 1], ok=True, world=2).commit
