@@ -43,6 +43,7 @@ def test_restarted_rank_caught_in_a_recovery(tmp_path):
     assert not bad, "\n".join(bad) + proc.stderr[-4000:]
     assert outcome == "finished" and proc.returncode == 0
     assert iterations(proc.stdout)[-1] == 120 and "validation loss at iteration 120" in proc.stdout
+    assert "rank 3: kill at step 61 (recovery)" in proc.stderr, "rank 3 died in the generation admitting rank 0"
     # every regroup that brought rank 0 back handed it the state of the step it then trained
     joins = [e for e in chaos.events(tmp_path, 4, "regroup") if 0 in e["joiners"]]
     assert joins and all(e["step"] > 30 for e in joins)
