@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from megatron_mecefo.errors import AgreementTimeout, JobAborted, JobFinished, JoinTimeout, NotAMember, StateLost
 
-__all__ = ["Membership", "Decision", "GenerationPlan", "connect_store"]
+__all__ = ["Membership", "Decision", "GenerationPlan", "OrphanWatch", "connect_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -323,30 +323,46 @@ class Membership:
         self.store.delete_key(f"exited/{self.rank}")
         self._seen.clear()
         self.store.set(f"join/{self.rank}", "waiting")
-        t0 = time.monotonic()
-        deadline = t0 + timeout_s
-        since, orphaned_since, next_check = 0, None, t0 + self.hb_timeout
+        deadline = time.monotonic() + timeout_s
+        watch = OrphanWatch(self)
         while True:
             value = self.store.get(f"joinee/{self.rank}").decode()
             if value:
                 self.store.set(f"join/{self.rank}", "admitted")
                 return int(value)
             self.check_job()
-            now = time.monotonic()
-            if now > deadline:
+            if time.monotonic() > deadline:
                 raise JoinTimeout(f"[rank {self.rank}] not admitted within {timeout_s:.0f} s (mecefo.join_timeout_s)")
-            if now >= next_check:  # is anybody left who could admit this rank?
-                next_check = now + 0.5
-                since, plan = self.latest_plan(since)
-                holders = [r for r in (plan or {}).get("members", []) if r != self.rank
-                           and not (self.store.check([f"join/{r}"]) and self.store.get(f"join/{r}").decode() == "waiting")]
-                if plan is not None and not plan.get("lost") and self.alive(holders):
-                    orphaned_since = None
-                elif orphaned_since is None:
-                    orphaned_since = now
-                elif now - orphaned_since > self.hb_timeout:
-                    reason = (f"no rank holding the training state is left (generation {since} had members "
-                              f"{(plan or {}).get('members')}; none is alive)")
-                    self.mark_failed(reason)
-                    raise StateLost(f"[rank {self.rank}] {reason}")
+            watch.check()
             time.sleep(_POLL_S * 5)
+
+
+class OrphanWatch:
+    """Polled by a rank waiting outside the job (to be admitted, or for its trace's rejoin step):
+    raises StateLost, and marks the job failed, once no live rank of the newest generation holds
+    the state for longer than heartbeat_timeout_s; nobody could admit it or send it the state."""
+
+    def __init__(self, membership: Membership) -> None:
+        self.m = membership
+        self.since = 0
+        self.orphaned_since: Optional[float] = None
+        self.next_check = time.monotonic() + membership.hb_timeout
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now < self.next_check:
+            return
+        self.next_check = now + 0.5
+        m, store = self.m, self.m.store
+        self.since, plan = m.latest_plan(self.since)
+        holders = [r for r in (plan or {}).get("members", []) if r != m.rank
+                   and not (store.check([f"join/{r}"]) and store.get(f"join/{r}").decode() == "waiting")]
+        if plan is not None and not plan.get("lost") and m.alive(holders):
+            self.orphaned_since = None
+        elif self.orphaned_since is None:
+            self.orphaned_since = now
+        elif now - self.orphaned_since > m.hb_timeout:
+            reason = (f"no rank holding the training state is left (generation {self.since} had members "
+                      f"{(plan or {}).get('members')}; none is alive)")
+            m.mark_failed(reason)
+            raise StateLost(f"[rank {m.rank}] {reason}")

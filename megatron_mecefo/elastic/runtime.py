@@ -37,7 +37,7 @@ from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic import groups
 from megatron_mecefo.elastic.fold import Fold, FoldPolicy, fold_neighbor
 from megatron_mecefo.elastic.inject import FaultInjector, failure_trace, trace_from_events
-from megatron_mecefo.elastic.membership import GenerationPlan, Membership, connect_store
+from megatron_mecefo.elastic.membership import GenerationPlan, Membership, OrphanWatch, connect_store
 from megatron_mecefo.elastic.topology import CoverPlan, Grid, plan_cover
 from megatron_mecefo.errors import GaveUp, JobAborted, MeCeFOError, NoCoverAvailable, NotAMember
 from megatron_mecefo.log import EventLog, RankPrefix
@@ -133,10 +133,10 @@ class ElasticRuntime:
         self._set_state: Optional[Callable[[Dict[str, Any]], None]] = None
         self._save: Optional[Callable[[], str]] = None
         self._has_state = False
-        self.rejoined = False
-        """True when this rank came in after generation 0 and received the live state from a peer."""
         """True once this rank holds the training state of self.step: every rank of generation 0,
         a joiner once it has received the state. A rank without it never trains or votes."""
+        self.rejoined = False
+        """True when this rank came in after generation 0 and received the live state from a peer."""
         self.log = RankPrefix(logger, lambda: {"generation": self.generation, "rank": self.rank, "step": self.step})
         log_dir = config.log_dir
         self.events = EventLog(os.path.join(log_dir, f"events_rank{rank}.jsonl") if log_dir else None, rank=rank)
@@ -172,8 +172,10 @@ class ElasticRuntime:
         if not mine:
             return
         deadline = time.monotonic() + self.cfg.join_timeout_s
+        watch = OrphanWatch(self.membership)
         while int(self.store.add("job/progress", 0)) < mine[0].rejoin_step and time.monotonic() < deadline:
             self.membership.check_job()
+            watch.check()
             time.sleep(0.1)
 
     def start(self) -> int:
@@ -313,7 +315,6 @@ class ElasticRuntime:
                 self.store.set("job/progress", str(self.step + 1))  # read by trace-restarted ranks
             if decision.joiners:
                 self._pending = (decision.next_generation, sorted(set(self.members) | set(decision.joiners)))
-                self.injector.maybe_fire(self.step, "admit")
             p = self.plan()
             self.steps_log.write(
                 "step", step=self.step, generation=self.generation, live=list(self.members),
@@ -321,6 +322,8 @@ class ElasticRuntime:
                 micro_batches=[[m.replica, m.index, m.covering] for m in p.micro_batches],
                 step_time_s=time.monotonic() - self._t_step, **record,
             )
+            if decision.joiners:
+                self.injector.maybe_fire(self.step, "admit")
             return True
         self._recover()
         return False
