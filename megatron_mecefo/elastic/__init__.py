@@ -6,7 +6,8 @@
 * groups.py     data-parallel process groups per generation
 * reference.py  reference_gradient: the gradient of one step in one process (for checks)
 * runtime.py    ElasticRuntime: begin_step / plan / reduce_gradients / commit
-* inject.py     FaultInjector: kill / hang at (rank, step, phase)
+* inject.py     FaultInjector: kill / hang at (rank, step, phase, incarnation)
+* chaos.py      seeded random failure schedules, a runner, and the invariants every run must satisfy
 * launch.py     mecefo-launch; store_daemon.py for other launchers
 """
 

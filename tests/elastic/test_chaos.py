@@ -136,6 +136,10 @@ REGRESSIONS = {
     # waited until an outside kill).
     "last_survivor_gives_up": Schedule(1005, 4, 24, (
         Fault("hang", 3, 4, "backward"), Fault("kill", 0, 8, "forward"), Fault("kill", 1, 9, "backward")), 0.5),
+    # Found by the harness (seed 116): every rank crashes, one during the recovery. Nobody is left to
+    # give up; the launcher ends the job with exit 3 and says why (it exited 1 without a reason).
+    "every_rank_dies": Schedule(116, 3, 24, (
+        Fault("kill", 0, 1, "backward"), Fault("kill", 1, 2, "backward"), Fault("kill", 2, 2, "recovery")), None),
     # The last rank with the state dies right after its commit decision admits a restarted rank:
     # nobody can send the joiner the state, so it ends the job (StateLost) instead of waiting.
     "state_lost_when_the_admitting_rank_dies": Schedule(1006, 2, 24, (
@@ -175,6 +179,9 @@ def test_compound_schedule(tmp_path, toy_references, name):
 
         assert torch.load(ckpt["checkpoint"], weights_only=False)["step"] == 9
         assert "will restart" not in result.stderr.split("ended: exit code 3")[-1], "no restart into a job that gave up"
+    elif name == "every_rank_dies":
+        assert outcome == "gave_up" and fired == 3
+        assert "the job gave up: no rank of the job is left running" in result.stderr
     elif name == "state_lost_when_the_admitting_rank_dies":
         assert outcome == "gave_up"
         kinds = {e["kind"] for e in chaos.events(tmp_path, 2, "gave_up")}
