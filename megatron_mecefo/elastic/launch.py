@@ -222,8 +222,8 @@ def main(argv=None) -> int:
                     logger.info("rank %d is not restarted: no rank of the job is left running to rejoin", r.rank)
         live = [r for r in ranks if r.proc is not None]
         # every rank crashed or hangs (and none failed on its own: that error is reported as it is)
-        if not ending and args.nnodes == 1 and first_error is None and any((r.final or 0) < 0 for r in ranks) \
-                and not any(not _stopped(r.proc.pid) for r in live) and not client_finished(client):
+        if not ending and args.nnodes == 1 and first_error is None and not any(not _stopped(r.proc.pid) for r in live) \
+                and (live or any((r.final or 0) < 0 for r in ranks)) and not client_finished(client):
             ending[:] = [("no_rank", None)]
             logger.info("no rank of the job is left running: pending restarts are cancelled")
             try:

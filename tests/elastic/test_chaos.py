@@ -140,6 +140,10 @@ REGRESSIONS = {
     # give up; the launcher ends the job with exit 3 and says why (it exited 1 without a reason).
     "every_rank_dies": Schedule(116, 3, 24, (
         Fault("kill", 0, 1, "backward"), Fault("kill", 1, 2, "backward"), Fault("kill", 2, 2, "recovery")), None),
+    # Found by the harness (seeds 27, 45): every rank hangs. The launcher killed them and exited 1
+    # without a reason; now it ends the job with exit 3 and says why.
+    "every_rank_hangs": Schedule(27, 2, 24, (
+        Fault("hang", 0, 10, "allreduce"), Fault("hang", 1, 10, "backward"), Fault("kill", 0, 13, "forward")), 4.0),
     # The last rank with the state dies right after its commit decision admits a restarted rank:
     # nobody can send the joiner the state, so it ends the job (StateLost) instead of waiting.
     "state_lost_when_the_admitting_rank_dies": Schedule(1006, 2, 24, (
@@ -179,8 +183,8 @@ def test_compound_schedule(tmp_path, toy_references, name):
 
         assert torch.load(ckpt["checkpoint"], weights_only=False)["step"] == 9
         assert "will restart" not in result.stderr.split("ended: exit code 3")[-1], "no restart into a job that gave up"
-    elif name == "every_rank_dies":
-        assert outcome == "gave_up" and fired == 3
+    elif name in ("every_rank_dies", "every_rank_hangs"):
+        assert outcome == "gave_up" and fired == min(3, schedule.world)
         assert "the job gave up: no rank of the job is left running" in result.stderr
     elif name == "state_lost_when_the_admitting_rank_dies":
         assert outcome == "gave_up"
