@@ -1,9 +1,10 @@
 """Chaos benchmark: many seeded random failure schedules against the toy runtime job and against
 examples/pretrain_gpt, each checked against the invariants of megatron_mecefo.elastic.chaos.
 
-    python benchmarks/chaos.py                       # 200 toy + 20 pretrain_gpt schedules (~1.5 h on 2 cores)
+    python benchmarks/chaos.py                       # 200 toy + 20 pretrain_gpt schedules (~1 h on 2 cores)
     python benchmarks/chaos.py --toy 20 --pretrain 2 # a quick look
-    python benchmarks/chaos.py --toy-seeds 17 42     # rerun given seeds
+    python benchmarks/chaos.py --toy-seeds 17 42 --pretrain 0   # rerun given seeds (a kind with no
+                                                     # schedules keeps its results in the JSON)
 
 Writes benchmarks/results/chaos.json: per job kind the number of schedules, how many finished,
 how many gave up cleanly, the violations (must be 0; each with its seed and the exact
@@ -38,7 +39,7 @@ def slowest_recovery(log_dir: Path, world: int) -> float:
 def run_many(kind: str, seeds, work: Path, world_of, steps: int) -> dict:
     refs = {}
     summary = {"schedules": 0, "finished": 0, "gave_up_cleanly": 0, "violations": 0, "faults_fired": 0,
-               "slowest_recovery_s": 0.0, "slowest_run_s": 0.0, "failures": []}
+               "rejoins": 0, "slowest_recovery_s": 0.0, "slowest_run_s": 0.0, "failures": []}
     for seed in seeds:
         world = world_of(seed)
         schedule = chaos.random_schedule(seed, world, steps)
@@ -54,6 +55,7 @@ def run_many(kind: str, seeds, work: Path, world_of, steps: int) -> dict:
         summary["finished"] += outcome == "finished"
         summary["gave_up_cleanly"] += outcome == "gave_up"
         summary["faults_fired"] += result.stderr.count("[mecefo inject]")
+        summary["rejoins"] += len(chaos.events(out, world, "rejoined"))
         summary["slowest_recovery_s"] = max(summary["slowest_recovery_s"], slowest_recovery(out, world))
         summary["slowest_run_s"] = max(summary["slowest_run_s"], result.elapsed_s)
         if bad:
@@ -76,29 +78,38 @@ def main(argv=None) -> int:
     p.add_argument("--pretrain", type=int, default=20, help="pretrain_gpt schedules (seeds 0..N-1)")
     p.add_argument("--toy-seeds", type=int, nargs="*", default=None)
     p.add_argument("--pretrain-seeds", type=int, nargs="*", default=None)
-    p.add_argument("--pretrain-steps", type=int, default=40)
+    p.add_argument("--pretrain-steps", type=int, default=150)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chaos.json")
     args = p.parse_args(argv)
     toy_seeds = args.toy_seeds if args.toy_seeds is not None else range(args.toy)
     pre_seeds = args.pretrain_seeds if args.pretrain_seeds is not None else range(args.pretrain)
     t0 = time.monotonic()
+    # a kind run with 0 schedules keeps its results from an earlier run (to rerun one kind only)
+    old = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results = {"settings": old.get("settings", {})}
     with tempfile.TemporaryDirectory(prefix="mecefo-chaos-") as tmp:
         work = Path(tmp)
-        results = {
-            "toy": run_many("toy", toy_seeds, work, lambda s: 2 + s % 3, chaos_util.TOY["steps"]),
-            "pretrain_gpt": run_many("pretrain", pre_seeds, work, lambda s: 4 if s % 2 == 0 else 2,
-                                     args.pretrain_steps),
-        }
-    results["settings"] = {
-        "toy": {**chaos_util.TOY, **chaos_util.TOY_TIMEOUTS, "ranks": "2-4", "approximations": "off (exact fold)"},
-        "pretrain_gpt": {"steps": args.pretrain_steps, "ranks": "2 or 4", "args": chaos_util.PRETRAIN,
-                         **chaos_util.PRETRAIN_TIMEOUTS, "approximations": "on (defaults)"},
-        "wall_s": round(time.monotonic() - t0, 1),
-    }
+        if len(toy_seeds) or "toy" not in old:
+            results["toy"] = run_many("toy", toy_seeds, work, lambda s: 2 + s % 3, chaos_util.TOY["steps"])
+            results["settings"]["toy"] = {**chaos_util.TOY, **chaos_util.TOY_TIMEOUTS, "ranks": "2-4",
+                                          "approximations": "off (exact fold)", "wall_s": round(time.monotonic() - t0, 1)}
+        else:
+            results["toy"] = old["toy"]
+        t1 = time.monotonic()
+        if len(pre_seeds) or "pretrain_gpt" not in old:
+            results["pretrain_gpt"] = run_many("pretrain", pre_seeds, work, lambda s: 4 if s % 2 == 0 else 2,
+                                               args.pretrain_steps)
+            results["settings"]["pretrain_gpt"] = {
+                "steps": args.pretrain_steps, "ranks": "2 or 4", "args": chaos_util.PRETRAIN,
+                **chaos_util.PRETRAIN_TIMEOUTS, "approximations": "on (defaults)", "wall_s": round(time.monotonic() - t1, 1)}
+        else:
+            results["pretrain_gpt"] = old["pretrain_gpt"]
+    results["settings"].pop("wall_s", None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     total = results["toy"]["violations"] + results["pretrain_gpt"]["violations"]
-    print(json.dumps({k: {x: v for x, v in r.items() if x != "failures"} for k, r in results.items() if k != "settings"}, indent=2))
+    print(json.dumps({k: {x: v for x, v in r.items() if x != "failures"} for k, r in results.items() if k != "settings"},
+                     indent=2))
     print(f"wrote {args.out}")
     return 1 if total else 0
 
