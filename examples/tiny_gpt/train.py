@@ -52,10 +52,6 @@ def batch(ids):
     return tokens, torch.arange(SEQ).expand(len(ids), SEQ), labels
 
 
-def param_digest(engine) -> str:
-    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())).hexdigest()
-
-
 def log_iteration(engine, total, t_last, interval=1):
     """A Megatron-style line, printed by the lowest live rank (so logs go on if rank 0 fails)."""
     rt = engine.runtime
@@ -85,7 +81,8 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--no-mecefo", action="store_true", help="plain DeepSpeed training (MeCeFO off)")
     p.add_argument("--log-interval", type=int, default=1, help="print every N iterations")
-    p.add_argument("--hash-params", action="store_true", help="record a hash of the parameters in every step record")
+    p.add_argument("--hash-params", action="store_true",
+                   help="record a hash of the parameters in every step record (= --mecefo-log-param-hash)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help="set by the deepspeed launcher")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of fake compute per micro-batch")
@@ -93,7 +90,10 @@ def main():
                    help="save the parameters and the reduced gradients just before this step's optimizer update")
     MeCeFOConfig.add_cli_args(p)
     args = p.parse_args()
-    from megatron_mecefo.deepspeed_hook import init_distributed, initialize
+    from megatron_mecefo.deepspeed_hook import init_distributed, initialize, param_digest
+
+    if args.hash_params:  # replicas must be bit-identical at the start of every step
+        args.mecefo_log_param_hash = True
     from megatron_mecefo.layers.model import init_model_parallel
 
     job = init_distributed()
@@ -121,8 +121,6 @@ def main():
             engine.optimizer.register_step_pre_hook(dump)
         t_last, degraded = time.monotonic(), False
         while engine.global_steps < args.steps:
-            if args.hash_params:  # replicas must be bit-identical at the start of every step
-                engine.record_extra["param_sha256"] = param_digest(engine)
             for mb in engine.micro_batches():
                 step = engine.global_steps
                 tokens, pos, labels = batch(sample_range(step, mb.replica, mb.index, micro_batch_size=mb_size, dp=world, k=k))
@@ -140,7 +138,7 @@ def main():
         print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
         return
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    digest = param_digest(engine)
+    digest = param_digest(engine.module)
     opt = engine.optimizer.state_dict()["state"]
     opt_digest = hashlib.sha256(b"".join(v[key].numpy().tobytes() for v in opt.values() for key in ("exp_avg", "exp_avg_sq"))).hexdigest()
     torch.save(params, args.out / f"final_rank{job.rank}.pt")

@@ -44,7 +44,7 @@ from megatron_mecefo.elastic.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.elastic.store_daemon import spawn_store_daemon
 
-__all__ = ["initialize", "MeCeFOEngine", "init_distributed", "check_ds_config", "save_checkpoint"]
+__all__ = ["initialize", "MeCeFOEngine", "init_distributed", "check_ds_config", "param_digest", "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
 

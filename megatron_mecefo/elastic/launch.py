@@ -126,6 +126,13 @@ def _job_outcome(client) -> Optional[dict]:
     return None
 
 
+def _job_finished(client) -> bool:
+    try:
+        return bool(client.check(["job/finished"]))
+    except Exception:
+        return False
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="[mecefo-launch] %(message)s")
     args = parse_args(argv)
@@ -186,7 +193,7 @@ def main(argv=None) -> int:
             end_deadline[0] = now + (args.give_up_grace if ending[0][0] == "gave_up" else args.term_grace)
         for r in ranks:
             if r.proc is None:
-                if ending or (client_finished(client)):
+                if ending or _job_finished(client):
                     r.restart_at = None
                 if r.restart_at is not None and now >= r.restart_at:
                     r.restart_at = None
@@ -223,7 +230,7 @@ def main(argv=None) -> int:
         live = [r for r in ranks if r.proc is not None]
         # every rank crashed or hangs (and none failed on its own: that error is reported as it is)
         if not ending and args.nnodes == 1 and first_error is None and not any(not _stopped(r.proc.pid) for r in live) \
-                and (live or any((r.final or 0) < 0 for r in ranks)) and not client_finished(client):
+                and (live or any((r.final or 0) < 0 for r in ranks)) and not _job_finished(client):
             ending[:] = [("no_rank", None)]
             logger.info("no rank of the job is left running: pending restarts are cancelled")
             try:
@@ -261,13 +268,6 @@ def main(argv=None) -> int:
     if first_error is not None:
         return first_error
     return 0 if ok_exits else 1
-
-
-def client_finished(client) -> bool:
-    try:
-        return bool(client.check(["job/finished"]))
-    except Exception:
-        return False
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ rank saves its parameters and optimizer state to DIR/final_rank{R}.pt.
 """
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -21,8 +22,6 @@ import torch
 
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic.fold import sample_range
-import hashlib
-
 from megatron_mecefo.errors import GAVE_UP_EXIT_CODE, GaveUp, JobFinished
 from megatron_mecefo.params import GradGroup, tag_parameters
 
