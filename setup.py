@@ -21,7 +21,8 @@ setup(
         "megatron-core>=0.16.1",
         "deepspeed>=0.19.4",
     ],
-    entry_points={"console_scripts": ["mecefo-launch=megatron_mecefo.elastic.launch:main"]},
+    entry_points={"console_scripts": ["mecefo-launch=megatron_mecefo.elastic.launch:main",
+                                     "mecefo-store=megatron_mecefo.elastic.store_daemon:main"]},
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
         "bench": ["matplotlib>=3.8"],

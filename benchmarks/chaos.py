@@ -1,7 +1,7 @@
 """Chaos benchmark: many seeded random failure schedules against the toy runtime job and against
 examples/pretrain_gpt, each checked against the invariants of megatron_mecefo.elastic.chaos.
 
-    python benchmarks/chaos.py                       # 200 toy + 20 pretrain_gpt schedules (~1 h on 2 cores)
+    python benchmarks/chaos.py                       # 200 toy + 20 pretrain_gpt + 10 layout schedules (~1.2 h)
     python benchmarks/chaos.py --toy 20 --pretrain 2 # a quick look
     python benchmarks/chaos.py --toy-seeds 17 42 --pretrain 0   # rerun given seeds (a kind with no
                                                      # schedules keeps its results in the JSON)
@@ -9,12 +9,14 @@ examples/pretrain_gpt, each checked against the invariants of megatron_mecefo.el
 Writes benchmarks/results/chaos.json: per job kind the number of schedules, how many finished,
 how many gave up cleanly, the violations (must be 0; each with its seed and the exact
 --mecefo-inject flags), the injected faults that fired, and the slowest recovery observed
-(detection to a new working generation, from the ranks' regroup events).
+(detection to a new working generation, from the ranks' regroup events). "layouts" runs
+examples/pretrain_gpt on 4 ranks as D=2 x T=2 (even seeds) and D=2 x P=2 (odd seeds).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -36,13 +38,18 @@ def slowest_recovery(log_dir: Path, world: int) -> float:
     return max(times, default=0.0)
 
 
+def layout_schedule(seed: int, world: int, steps: int) -> chaos.Schedule:
+    schedule = chaos.random_schedule(seed, world, steps)
+    return dataclasses.replace(schedule, **({"tp": 2} if seed % 2 == 0 else {"pp": 2}))
+
+
 def run_many(kind: str, seeds, work: Path, world_of, steps: int) -> dict:
     refs = {}
     summary = {"schedules": 0, "finished": 0, "gave_up_cleanly": 0, "violations": 0, "faults_fired": 0,
                "rejoins": 0, "slowest_recovery_s": 0.0, "slowest_run_s": 0.0, "failures": []}
     for seed in seeds:
         world = world_of(seed)
-        schedule = chaos.random_schedule(seed, world, steps)
+        schedule = (layout_schedule if kind == "layouts" else chaos.random_schedule)(seed, world, steps)
         out = work / f"{kind}-{seed}"
         shutil.rmtree(out, ignore_errors=True)
         if kind == "toy":
@@ -78,11 +85,14 @@ def main(argv=None) -> int:
     p.add_argument("--pretrain", type=int, default=20, help="pretrain_gpt schedules (seeds 0..N-1)")
     p.add_argument("--toy-seeds", type=int, nargs="*", default=None)
     p.add_argument("--pretrain-seeds", type=int, nargs="*", default=None)
+    p.add_argument("--layouts", type=int, default=10, help="pretrain_gpt schedules on T=2 / P=2 layouts")
+    p.add_argument("--layout-seeds", type=int, nargs="*", default=None)
     p.add_argument("--pretrain-steps", type=int, default=150)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chaos.json")
     args = p.parse_args(argv)
     toy_seeds = args.toy_seeds if args.toy_seeds is not None else range(args.toy)
     pre_seeds = args.pretrain_seeds if args.pretrain_seeds is not None else range(args.pretrain)
+    layout_seeds = args.layout_seeds if args.layout_seeds is not None else range(args.layouts)
     t0 = time.monotonic()
     # a kind run with 0 schedules keeps its results from an earlier run (to rerun one kind only)
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
@@ -104,10 +114,19 @@ def main(argv=None) -> int:
                 **chaos_util.PRETRAIN_TIMEOUTS, "approximations": "on (defaults)", "wall_s": round(time.monotonic() - t1, 1)}
         else:
             results["pretrain_gpt"] = old["pretrain_gpt"]
+        t2 = time.monotonic()
+        if len(layout_seeds) or "layouts" not in old:
+            results["layouts"] = run_many("layouts", layout_seeds, work, lambda s: 4, args.pretrain_steps)
+            results["settings"]["layouts"] = {
+                "steps": args.pretrain_steps, "ranks": 4, "layout": "D=2 x T=2 (even seeds), D=2 x P=2 (odd seeds)",
+                "args": chaos_util.PRETRAIN, **chaos_util.PRETRAIN_TIMEOUTS, "approximations": "on (defaults)",
+                "wall_s": round(time.monotonic() - t2, 1)}
+        else:
+            results["layouts"] = old["layouts"]
     results["settings"].pop("wall_s", None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    total = results["toy"]["violations"] + results["pretrain_gpt"]["violations"]
+    total = sum(results[kind]["violations"] for kind in ("toy", "pretrain_gpt", "layouts"))
     print(json.dumps({k: {x: v for x, v in r.items() if x != "failures"} for k, r in results.items() if k != "settings"},
                      indent=2))
     print(f"wrote {args.out}")

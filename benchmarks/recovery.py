@@ -14,7 +14,11 @@ reads the ranks' JSONL logs:
 For comparison it also measures a cold start of the same job (launch -> first completed step),
 the floor of any restart-based recovery before a checkpoint is even loaded.
 
-    python benchmarks/recovery.py            # ~2 min; writes benchmarks/results/recovery.{json,png}
+Tensor and pipeline parallelism: the same crash breakdown for examples/pretrain_gpt/pretrain_gpt.py
+on 4 ranks, D=2 x T=2 and D=2 x P=2, one rank of replica 1 killed (its replica retires; replica 0
+covers on every stage).
+
+    python benchmarks/recovery.py            # ~4 min; writes benchmarks/results/recovery.{json,png}
 """
 
 from __future__ import annotations
@@ -69,6 +73,38 @@ def measure(kind: str, args, victim: int = 1, at_step: int = 3):
         }
 
 
+LAYOUTS = {"tp2": (["--tensor-model-parallel-size", "2"], 2), "pp2": (["--pipeline-model-parallel-size", "2"], 3)}
+"""layout -> (flags, the rank of replica 1 that is killed)"""
+
+
+def measure_layout(name: str, args, at_step: int = 4):
+    flags, victim = LAYOUTS[name]
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d)
+        cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", "4", "--master-port", "0",
+               str(ROOT / "examples" / "pretrain_gpt" / "pretrain_gpt.py"), *flags, "--mecefo", "--mecefo-rank", "8",
+               "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+               "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--eval-interval", "10",
+               "--eval-iters", "1", "--log-interval", "10", "--mecefo-log-dir", str(out),
+               "--mecefo-inject", f"kill:{victim}:{at_step}:backward",
+               "--mecefo-collective-timeout-s", str(args.collective_timeout),
+               "--mecefo-heartbeat-interval-s", str(args.heartbeat_interval),
+               "--mecefo-heartbeat-timeout-s", str(args.heartbeat_timeout)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name} job failed:\n{proc.stderr[-3000:]}")
+        (inject,) = [e for e in read(out / f"events_rank{victim}.jsonl") if e["event"] == "inject"]
+        (regroup,) = [e for e in read(out / "events_rank0.jsonl") if e["event"] == "regroup" and e["generation"] == 1]
+        first_degraded = min(s["time"] for s in read(out / "steps_rank0.jsonl") if s["generation"] == 1)
+        return {
+            "detect_s": regroup["detected_at"] - inject["time"],
+            "agree_s": regroup["agreed_at"] - regroup["detected_at"],
+            "regroup_s": regroup["regrouped_at"] - regroup["agreed_at"],
+            "redo_s": first_degraded - regroup["regrouped_at"],
+            "failure_to_degraded_step_s": first_degraded - inject["time"],
+        }
+
+
 def cold_start(args):
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
@@ -94,6 +130,10 @@ def main(argv=None):
         runs = [measure(kind, args) for _ in range(args.repeats)]
         results[label] = {"runs": runs, **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
         print(f"{label}: " + ", ".join(f"{k} {results[label][k]:.3f}" for k in runs[0]), flush=True)
+    for name in LAYOUTS:
+        runs = [measure_layout(name, args) for _ in range(args.repeats)]
+        results[name] = {"runs": runs, **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+        print(f"{name} crash: " + ", ".join(f"{k} {results[name][k]:.3f}" for k in runs[0]), flush=True)
     cold = statistics.median(cold_start(args) for _ in range(args.repeats))
     out = {
         "setup": {"job": "examples/tiny_gpt/train.py (Megatron-Core GPT, DeepSpeed engine, MeCeFO hook), gloo on loopback",
@@ -105,11 +145,15 @@ def main(argv=None):
         "cold_start_to_first_step_s": cold,
         "crash": results["crash"],
         "hang": results["hang"],
+        "layouts": {"setup": "examples/pretrain_gpt/pretrain_gpt.py, 4 ranks (D=2), 2 layers, hidden 64, a rank of "
+                             "replica 1 killed in its backward at step 4",
+                    **{name: results[name] for name in LAYOUTS}},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     plot(out, args.out.with_suffix(".png"))
-    print(f"crash -> degraded step {out['crash_to_degraded_step_s']:.2f} s, hang -> {out['hang_to_degraded_step_s']:.2f} s, "
+    print(f"crash -> degraded step {out['crash_to_degraded_step_s']:.2f} s (T=2: {results['tp2']['failure_to_degraded_step_s']:.2f} s, "
+          f"P=2: {results['pp2']['failure_to_degraded_step_s']:.2f} s), hang -> {out['hang_to_degraded_step_s']:.2f} s, "
           f"cold start -> first step {cold:.2f} s; wrote {args.out}")
 
 
@@ -121,20 +165,23 @@ def plot(out, path):
 
     phases = ("detect_s", "agree_s", "regroup_s", "redo_s")
     colors = ("tab:red", "tab:orange", "tab:blue", "tab:green")
-    fig, ax = plt.subplots(figsize=(9, 3.2))
-    rows = [("crash (SIGKILL)", out["crash"]), ("hang (SIGSTOP)", out["hang"])]
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    rows = [("crash (SIGKILL)", out["crash"]), ("hang (SIGSTOP)", out["hang"]),
+            ("crash, D2 x T2", out["layouts"]["tp2"]), ("crash, D2 x P2", out["layouts"]["pp2"])]
     for y, (label, r) in enumerate(rows):
         left = 0.0
         for ph, c in zip(phases, colors):
             ax.barh(y, r[ph], left=left, color=c, label=ph[:-2] if y == 0 else None)
             left += r[ph]
         ax.text(left, y, f" {r['failure_to_degraded_step_s']:.2f} s", va="center")
-    ax.barh(2, out["cold_start_to_first_step_s"], color="tab:gray", label="cold start (restart floor)")
-    ax.text(out["cold_start_to_first_step_s"], 2, f" {out['cold_start_to_first_step_s']:.2f} s", va="center")
-    ax.set_yticks([0, 1, 2], ["crash (SIGKILL)", "hang (SIGSTOP)", "cold start of the job"])
+    n = len(rows)
+    ax.barh(n, out["cold_start_to_first_step_s"], color="tab:gray", label="cold start (restart floor)")
+    ax.text(out["cold_start_to_first_step_s"], n, f" {out['cold_start_to_first_step_s']:.2f} s", va="center")
+    ax.set_yticks(range(n + 1), [label for label, _ in rows] + ["cold start of the job"])
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the failure to the first completed degraded step")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.set_xlim(0, 1.2 * max(out["cold_start_to_first_step_s"], *(r["failure_to_degraded_step_s"] for _, r in rows)))
+    ax.legend(loc="center right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

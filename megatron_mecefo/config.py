@@ -37,6 +37,12 @@ class LaunchEnv:
     """0 on first start; restarts by mecefo-launch count up (the rank then rejoins)."""
     mecefo_launcher: bool
     """True under mecefo-launch (it hosts the store and keeps survivors alive)."""
+    job_id: Optional[str] = None
+    """The job's id (MECEFO_JOB_ID, set by mecefo-launch); None under another launcher: rank 0 makes
+    one for its store daemon and the other ranks read it from the store."""
+    max_restarts: int = 0
+    """How often the launcher restarts a failed rank (MECEFO_MAX_RESTARTS; 0: never, as under
+    launchers that end the job when a rank fails)."""
 
     @classmethod
     def read(cls) -> "LaunchEnv":
@@ -50,6 +56,7 @@ class LaunchEnv:
             rank=int(env["RANK"]), world=int(env["WORLD_SIZE"]), local_rank=int(env.get("LOCAL_RANK", "0")),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env["MASTER_PORT"]),
             incarnation=int(env.get("MECEFO_INCARNATION", "0")), mecefo_launcher=env.get("MECEFO_LAUNCHER") == "1",
+            job_id=env.get("MECEFO_JOB_ID") or None, max_restarts=int(env.get("MECEFO_MAX_RESTARTS", "0")),
         )
 
 
@@ -109,9 +116,11 @@ class MeCeFOConfig:
     heartbeat_timeout_s: float = 5.0
     """A rank whose heartbeat has not moved for this long is presumed failed (crash or hang)."""
     agree_timeout_s: float = 120.0
-    """Survivors must agree on a new generation within this; must exceed collective_timeout_s."""
+    """How long survivors wait for every candidate to check in to a new generation (the others are
+    left out and rejoin later); a commit decision not made within it becomes an abort. Must exceed
+    collective_timeout_s. With no plan 2 x heartbeat_timeout_s later, the job gives up."""
     join_timeout_s: float = 600.0
-    """How long a restarted rank waits to be let back in."""
+    """How long a restarted rank waits, from its start, to be let back in (a trace's down time included)."""
     log_dir: Optional[str] = None
     """Directory of the per-step and recovery-event JSONL logs (None: no files)."""
     log_param_hash: bool = False
@@ -120,15 +129,16 @@ class MeCeFOConfig:
     inject: tuple = ()
     """Failure injection for tests and demos: a list of {"kind": "kill"|"hang", "rank": R,
     "step": S (or "*": any step), "phase": "forward"|"backward"|"allreduce"|"optimizer"|"recovery"|
-    "join"|"transfer", "incarnation": I (default 0: the first start)}. CLI: --mecefo-inject
-    kill:RANK:STEP[:PHASE[:INCARNATION]] (repeatable)."""
+    "join"|"transfer"|"admit", "incarnation": I (default 0: the first start)}. CLI: --mecefo-inject
+    kill:RANK:STEP[:PHASE[:INCARNATION]] (repeatable). A rank outside the job is refused at start."""
 
     trace: Optional[dict] = None
     """Trace-driven failures: {"mtbf_steps": M, "recovery_steps": R, "seed": S} (job-wide mean steps
     between failures, steps a failed rank stays down), {"scenario": "low"|"medium"|"high",
     "steps_per_hour": H, "seed": S} for the paper's rates (MTBF 2/1/0.5 h, recovery 4/3/2 h), or
-    {"events": [[rank, fail_step, rejoin_step], ...]} to replay a given trace.
-    Needs mecefo-launch --restart-failed-after so failed ranks come back."""
+    {"events": [[rank, fail_step, rejoin_step], ...]} to replay a given trace (checked at start:
+    inject.check_trace). Failed ranks come back only under mecefo-launch --restart-failed-after,
+    at most --max-restarts times each."""
 
     def __post_init__(self) -> None:
         self._check_bool("enable", "skip_attention", "lowrank_ffn", "log_param_hash")
@@ -308,7 +318,7 @@ class MeCeFOConfig:
                        help="FFN recompute on covering micro-batches (auto)")
         g.add_argument("--mecefo-approximate", choices=APPROXIMATE_CHOICES, default=None,
                        help="covering-mode micro-batches of a covering rank (all)")
-        g.add_argument("--mecefo-collective-timeout-s", type=float, default=None, help="data-parallel collective timeout (60)")
+        g.add_argument("--mecefo-collective-timeout-s", type=float, default=None, help="collective timeout: data-parallel, tensor- and pipeline-parallel groups (60)")
         g.add_argument("--mecefo-heartbeat-interval-s", type=float, default=None, help="heartbeat period (0.5)")
         g.add_argument("--mecefo-heartbeat-timeout-s", type=float, default=None, help="presume failed after (5)")
         g.add_argument("--mecefo-agree-timeout-s", type=float, default=None, help="agreement deadline (120)")
@@ -347,6 +357,12 @@ class MeCeFOConfig:
             svd_method=self.svd_method,
             svd_exact_max_dim=self.svd_exact_max_dim,
         )
+
+    def recompute_note(self, live_microbatches: int = 1) -> str:
+        """What recompute_ffn resolves to for a covering rank holding `live_microbatches` at once."""
+        on = self.cover_policy(0, live_microbatches=live_microbatches).recompute_ffn
+        why = " (micro-batches run one at a time)" if self.recompute_ffn == "auto" and live_microbatches == 1 else ""
+        return f"recompute_ffn={self.recompute_ffn} -> {'on' if on else 'off'}{why}"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

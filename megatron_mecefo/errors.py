@@ -4,11 +4,21 @@ from __future__ import annotations
 
 __all__ = [
     "MeCeFOError", "RankFailure", "GaveUp", "NoCoverAvailable", "StateLost", "AgreementTimeout", "JobAborted",
-    "NotAMember", "JoinTimeout", "JobFinished", "GAVE_UP_EXIT_CODE",
+    "NotAMember", "ReplicaLost", "JoinTimeout", "JobFinished", "IncompleteStep", "JobConflict", "GAVE_UP_EXIT_CODE",
+    "USAGE_EXIT_CODE", "RETIRED_EXIT_CODE",
 ]
 
 GAVE_UP_EXIT_CODE = 3
 """Exit status of every rank of a job that gave up; mecefo-launch then ends the job (no restarts)."""
+
+
+USAGE_EXIT_CODE = 2
+"""Exit status for bad input found before training (a flag, a trace, a store that is not this job's);
+mecefo-launch restarts nobody after it."""
+
+RETIRED_EXIT_CODE = 4
+"""Exit status of a rank that left the job on purpose (NotAMember: its replica lost a rank, or it was
+presumed failed): mecefo-launch restarts it like a crashed rank, and it does not make the job fail."""
 
 
 class MeCeFOError(RuntimeError):
@@ -43,8 +53,25 @@ class JobAborted(GaveUp):
     """Another rank gave up (one of the reasons above); this rank ends with the job."""
 
 
+class IncompleteStep(GaveUp):
+    """A step was about to commit without the whole global batch (or after this rank's own reduction
+    failed): never committed; the job ends with the checkpoint of the last whole step."""
+
+
+class JobConflict(MeCeFOError, ValueError):
+    """The store at MASTER_ADDR:MASTER_PORT is not this job's (another job's, or a finished one):
+    stop before training (exit with USAGE_EXIT_CODE)."""
+
+
 class NotAMember(MeCeFOError):
     """This rank was left out of the agreed generation (it was presumed failed): it must stop."""
+
+
+class ReplicaLost(NotAMember):
+    """A collective inside this rank's replica (tensor- or pipeline-parallel) failed: a rank of the
+    replica crashed or hangs, so the whole replica leaves the job. The rank exits (exit status 1,
+    0 under a launcher that ends the job on a failure); the launcher restarts it and the replica
+    rejoins once all its ranks are back."""
 
 
 class JoinTimeout(MeCeFOError):

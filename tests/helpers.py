@@ -44,3 +44,42 @@ def run_launcher(cmd, timeout):
         out, err = proc.communicate()
         raise AssertionError(f"timed out after {timeout} s:\n{out[-2000:]}\n{err[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def two_nodes_lose_one(tmp_path, script_args, *, victim_node: int, start_s: float = 120, finish_s: float = 150):
+    """A head-node store (`mecefo-store`) and two launchers over loopback (2 ranks each,
+    --external-store) running `script_args`. Once rank 2 has logged 3 steps in `tmp_path`, the
+    launcher of `victim_node` is SIGKILLed (its ranks die with it). Returns the store's process and
+    the surviving launcher's CompletedProcess."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.store_daemon", "--host", "127.0.0.1",
+                              "--port", str(port), "--grace", "1"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert store.stdout.readline().startswith("ready: the store of job")
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nnodes", "2", "--node-rank", str(i),
+         "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--external-store",
+         *map(str, script_args)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) for i in (0, 1)]
+    survivor = nodes[1 - victim_node]
+    try:
+        deadline = time.monotonic() + start_s
+        log = tmp_path / "steps_rank2.jsonl"
+        while not log.exists() or len(log.read_text().splitlines()) < 3:
+            assert time.monotonic() < deadline and all(n.poll() is None for n in nodes), "the job did not train"
+            time.sleep(0.1)
+        os.kill(nodes[victim_node].pid, signal.SIGKILL)  # the launcher only: its ranks must die with it
+        out, err = survivor.communicate(timeout=finish_s)
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+    return store, subprocess.CompletedProcess(survivor.args, survivor.returncode, out, err)

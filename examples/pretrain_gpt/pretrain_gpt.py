@@ -7,9 +7,12 @@
         --micro-batch-size 4 --global-batch-size 32 --train-iters 200 --lr 1e-3 --normalization RMSNorm --swiglu \\
         --position-embedding-type rope --eval-interval 50 --eval-iters 4 --save runs/ckpt --save-interval 100
     # the same with DeepSpeed's launcher:  deepspeed --num_gpus 4 examples/pretrain_gpt/pretrain_gpt.py ...
+    # tensor x pipeline parallel: --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+    #   (world = T x P x D, Megatron's rank order; a failed rank takes its replica out until it is back)
     # real data: python -m megatron_mecefo.data.preprocess --input corpus.jsonl --output-prefix data/c ; --data-path data/c
 
-Without --mecefo this is plain DeepSpeed data-parallel training. Without --data-path it trains on
+Without --mecefo this is plain DeepSpeed data-parallel training (Megatron-Core's schedules and
+parallel_state for tensor and pipeline parallelism). Without --data-path it trains on
 the Python standard library's sources (byte-level tokens, built once into a cache).
 """
 
@@ -29,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_mecefo.config import MeCeFOConfig
-from megatron_mecefo.errors import GAVE_UP_EXIT_CODE, GaveUp, JobFinished, NotAMember
+from megatron_mecefo.errors import GAVE_UP_EXIT_CODE, RETIRED_EXIT_CODE, USAGE_EXIT_CODE, GaveUp, JobFinished, NotAMember
 
 
 def parse_args(argv=None):
@@ -42,11 +45,12 @@ def parse_args(argv=None):
     a("--num-layers", type=int, default=2); a("--hidden-size", type=int, default=128)
     a("--num-attention-heads", type=int, default=4); a("--ffn-hidden-size", type=int, default=None)
     a("--seq-length", type=int, default=128); a("--max-position-embeddings", type=int, default=None)
-    a("--micro-batch-size", type=int, default=4); a("--global-batch-size", type=int, default=None)
-    a("--train-iters", type=int, default=100); a("--lr", type=float, default=1e-3)
+    # flags that have a ds_config counterpart default to None: not given, ds_config's value (or FLAG_DEFAULTS) holds
+    a("--micro-batch-size", type=int, default=None); a("--global-batch-size", type=int, default=None)
+    a("--train-iters", type=int, default=100); a("--lr", type=float, default=None)
     a("--min-lr", type=float, default=0.0); a("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
-    a("--lr-warmup-iters", type=int, default=0); a("--weight-decay", type=float, default=0.01)
-    a("--clip-grad", type=float, default=1.0); a("--bf16", action="store_true"); a("--seed", type=int, default=1234)
+    a("--lr-warmup-iters", type=int, default=0); a("--weight-decay", type=float, default=None)
+    a("--clip-grad", type=float, default=None); a("--bf16", action="store_true", default=None); a("--seed", type=int, default=1234)
     a("--eval-interval", type=int, default=100); a("--eval-iters", type=int, default=10)
     a("--log-interval", type=int, default=10)
     a("--save", default=None); a("--load", default=None); a("--save-interval", type=int, default=None)
@@ -60,6 +64,8 @@ def parse_args(argv=None):
     a("--disable-bias-linear", action="store_true")
     a("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
     a("--hidden-dropout", type=float, default=0.0); a("--attention-dropout", type=float, default=0.0)
+    a("--tensor-model-parallel-size", type=int, default=1); a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--sequence-parallel", action="store_true", help="Megatron's sequence parallelism (needs --tensor-model-parallel-size > 1)")
     a("--local_rank", "--local-rank", type=int, default=0)
     deepspeed.add_config_arguments(p)
     MeCeFOConfig.add_cli_args(p)
@@ -77,25 +83,69 @@ def read_ds_config(args):
         return json.load(f)
 
 
+FLAG_DEFAULTS = {"micro_batch_size": 4, "lr": 1e-3, "weight_decay": 0.01, "clip_grad": 1.0, "bf16": False}
+"""Used when neither the flag nor ds_config sets the value."""
+
+
+def _settle(args, name, cfg, path, flag):
+    """One value both a flag and ds_config can set: the flag if given (ds_config must agree), else
+    ds_config's, else FLAG_DEFAULTS. Written back to both."""
+    node = cfg
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    given = getattr(args, name)
+    if given is not None and path[-1] in node and node[path[-1]] != given:
+        raise ValueError(f'{flag} {given} conflicts with ds_config "{".".join(path)}"={node[path[-1]]}: '
+                         "set it in one place, or make them agree")
+    value = given if given is not None else node.get(path[-1], FLAG_DEFAULTS[name])
+    setattr(args, name, value)
+    node[path[-1]] = value
+
+
 def ds_config_for(args, world):
-    """The ds_config file (if any) completed by the Megatron-style flags; conflicts are errors."""
+    """The ds_config file (if any) completed by the Megatron-style flags. A flag and a ds_config key
+    that set the same thing must agree (a conflict is an error); either alone decides."""
     cfg = read_ds_config(args)
+    cfg.setdefault("optimizer", {"type": "AdamW", "params": {"betas": [0.9, 0.95], "torch_adam": True}})
+    _settle(args, "micro_batch_size", cfg, ("train_micro_batch_size_per_gpu",), "--micro-batch-size")
+    _settle(args, "lr", cfg, ("optimizer", "params", "lr"), "--lr")
+    _settle(args, "weight_decay", cfg, ("optimizer", "params", "weight_decay"), "--weight-decay")
+    _settle(args, "clip_grad", cfg, ("gradient_clipping",), "--clip-grad")
+    _settle(args, "bf16", cfg, ("bf16", "enabled"), "--bf16")
+    if args.global_batch_size is None and "train_batch_size" in cfg:
+        args.global_batch_size = cfg["train_batch_size"]
     gbs = args.global_batch_size or args.micro_batch_size * world
     if gbs % (args.micro_batch_size * world):
         raise ValueError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size x ranks ({args.micro_batch_size * world})")
-    want = {"train_micro_batch_size_per_gpu": args.micro_batch_size, "train_batch_size": gbs,
-            "gradient_accumulation_steps": gbs // (args.micro_batch_size * world)}
+    want = {"train_batch_size": gbs, "gradient_accumulation_steps": gbs // (args.micro_batch_size * world)}
     for key, value in want.items():
         if key in cfg and cfg[key] != value:
             raise ValueError(f'ds_config "{key}"={cfg[key]} conflicts with the flags ({value})')
         cfg[key] = value
-    cfg.setdefault("optimizer", {"type": "AdamW", "params": {"betas": [0.9, 0.95], "torch_adam": True}})
-    cfg["optimizer"].setdefault("params", {}).update(lr=args.lr, weight_decay=args.weight_decay)  # the flags decide
-    cfg.setdefault("gradient_clipping", args.clip_grad)
     cfg.setdefault("steps_per_print", 10 ** 9)
-    if args.bf16:
-        cfg.setdefault("bf16", {"enabled": True})
     return cfg
+
+
+def check_layout(args, world):
+    """Tensor/pipeline-parallel sizes that cannot run end here (ValueError: exit 2), before training."""
+    t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if t < 1 or p < 1 or world % (t * p):
+        raise ValueError(f"the world of {world} ranks is not divisible by --tensor-model-parallel-size ({t}) x "
+                         f"--pipeline-model-parallel-size ({p})")
+    if args.num_layers % p:
+        raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {p}")
+    if args.num_attention_heads % t:
+        raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                         f"--tensor-model-parallel-size {t}")
+    ffn = args.ffn_hidden_size or (None if args.swiglu else 4 * args.hidden_size)
+    if ffn is not None and ffn % t:
+        raise ValueError(f"the FFN hidden size {ffn} is not divisible by --tensor-model-parallel-size {t}")
+    if args.sequence_parallel and t == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.sequence_parallel and args.seq_length % t:
+        raise ValueError(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by "
+                         f"--tensor-model-parallel-size {t}")
+    return world // (t * p)
 
 
 def lr_lambda(args):
@@ -120,7 +170,7 @@ def build_model(args):
         normalization=args.normalization, gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu, add_bias_linear=not args.disable_bias_linear,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        dtype=torch.bfloat16 if args.bf16 else torch.float32, sequence_parallel=args.sequence_parallel,
     )
     return build_gpt(config, vocab_size=vocab, seq_length=args.max_position_embeddings, seed=args.seed,
                      position_embedding_type=args.position_embedding_type)
@@ -132,18 +182,32 @@ def lm_loss(engine, batch):
     return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
 
-def evaluate(model, valid, args):
-    from megatron_mecefo.data.gpt import collate
+def forward_step(data_iterator, model):
+    """Megatron's forward_step: this stage's output and the loss function (used on the last stage)."""
+    tokens, pos, labels, mask = next(data_iterator)
+    output = model(tokens, pos, None, labels=labels)
+    return output, lambda out: ((out.float() * mask).sum() / mask.sum().clamp(min=1), {})
 
+
+def evaluate(model, valid, args, sharded=False):
+    """Mean validation loss; with tensor/pipeline parallelism every rank of the replica calls it and
+    the last stage gets the value (None elsewhere)."""
+    from megatron_mecefo.data.gpt import collate
+    from megatron_mecefo.deepspeed_hook.schedule import forward_backward
+
+    batches = [collate(valid, range(i * args.micro_batch_size, (i + 1) * args.micro_batch_size)) for i in range(args.eval_iters)]
     model.eval()
     with torch.no_grad():
-        losses = []
-        for i in range(args.eval_iters):
-            tokens, pos, labels, mask = collate(valid, range(i * args.micro_batch_size, (i + 1) * args.micro_batch_size))
-            out = model(tokens, pos, None, labels=labels).float()
-            losses.append(((out * mask).sum() / mask.sum()).item())
+        if sharded:
+            losses = forward_backward(model, forward_step, batches, num_microbatches=len(batches), seq_length=args.seq_length,
+                                      micro_batch_size=args.micro_batch_size, forward_only=True)
+        else:
+            losses = []
+            for tokens, pos, labels, mask in batches:
+                out = model(tokens, pos, None, labels=labels).float()
+                losses.append(((out * mask).sum() / mask.sum()).item())
     model.train()
-    return sum(losses) / len(losses)
+    return sum(losses) / len(losses) if losses else None
 
 
 def save_checkpoint(engine, args, iteration, quiet=False):
@@ -155,15 +219,6 @@ def save_checkpoint(engine, args, iteration, quiet=False):
     ds_save(engine, args.save)
     if not quiet:
         print(f" saved checkpoint at iteration {iteration:8d} to {args.save}", flush=True)
-
-
-def load_checkpoint(engine, args):
-    if not (Path(args.load) / "latest").exists():
-        raise FileNotFoundError(f"--load {args.load}: no DeepSpeed checkpoint (no 'latest' file)")
-    path, client = engine.load_checkpoint(args.load)
-    if path is None:
-        raise FileNotFoundError(f"--load {args.load}: the checkpoint could not be loaded")
-    return client["iteration"]
 
 
 def main(argv=None):
@@ -183,12 +238,23 @@ def main(argv=None):
     from megatron_mecefo.layers.model import init_model_parallel
 
     env = LaunchEnv.read()
-    ds_config = ds_config_for(args, env.world)
+    dp = check_layout(args, env.world)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    sharded = tp * pp > 1
+    ds_config = ds_config_for(args, dp)
     if mecefo.enable:
         from megatron_mecefo.deepspeed_hook import check_ds_config, init_distributed
+        from megatron_mecefo.elastic.inject import check_rules, job_trace
 
         check_ds_config(ds_config, mecefo)
-        init_distributed()
+        check_rules(mecefo.inject, env.world)  # bad failure rules end here, before any data or model is built
+        if mecefo.trace is not None:
+            if sharded:
+                raise ValueError('mecefo "trace" needs tensor and pipeline parallel size 1 (use --mecefo-inject)')
+            job_trace(mecefo.trace, env.world, args.train_iters, env.max_restarts)
+        init_distributed(tensor_parallel=tp, pipeline_parallel=pp, timeout_s=mecefo.collective_timeout_s,
+                         join_timeout_s=mecefo.join_timeout_s, heartbeat_timeout_s=mecefo.heartbeat_timeout_s,
+                         log_dir=mecefo.log_dir)
     else:
         import deepspeed
 
@@ -199,7 +265,7 @@ def main(argv=None):
     train, valid = build_gpt_datasets(prefix, seq_length=args.seq_length, split=args.split, seed=args.seed,
                                       train_samples=args.train_iters * gbs, valid_samples=args.eval_iters * args.micro_batch_size,
                                       cache_dir=os.path.join(cache_root(), "index-cache"), tokenizer=tokenizer)
-    init_model_parallel(1, 1, seed=args.seed)
+    init_model_parallel(tp, pp, seed=args.seed, timeout_s=mecefo.collective_timeout_s if mecefo.enable else 1800.0)
     model = build_model(args)
     sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))  # noqa: E731
     if mecefo.enable:
@@ -207,46 +273,77 @@ def main(argv=None):
 
         ds_config["mecefo"] = mecefo.to_dict()
         engine = initialize(model=model, config=ds_config, mecefo=mecefo, lr_scheduler=sched, train_iters=args.train_iters,
-                            save_dir=args.save)
+                            save_dir=args.save, load_dir=args.load)  # loads before the runtime starts; not on a restart
         rt = engine.runtime
     else:
         import deepspeed
 
         from megatron_mecefo.deepspeed_hook.mpu import MegatronMPU
 
+        if sharded:  # Megatron-Core's schedule runs the micro-batches and the loop clips; DeepSpeed steps
+            clip = ds_config.pop("gradient_clipping", 0.0)
+
         engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config, mpu=MegatronMPU(), lr_scheduler=sched,
                                                model_parameters=model.parameters())
         rt = None
-    if args.load and not (rt is not None and rt.rejoined):  # a rejoined rank has the live state already
-        load_checkpoint(engine, args)
-    is_logger = lambda: (rt is None and env.rank == 0) or (rt is not None and env.rank == min(rt.members))  # noqa: E731
+        if args.load:
+            from megatron_mecefo.deepspeed_hook import load_checkpoint
+
+            load_checkpoint(engine, args.load)
+    from megatron_mecefo.deepspeed_hook.schedule import clip_grad_norm, forward_backward
+    from megatron_mecefo.elastic.topology import Grid
+
+    grid = Grid(tp=tp, pp=pp, dp=dp)
+    _, _, my_replica = grid.coords(env.rank)
+    # Megatron prints from the last stage; here: tp rank 0, last stage, of the lowest live replica
+    lead_replica = lambda: min(rt.plan_cover().live) if rt else 0  # noqa: E731
+    is_logger = lambda: env.rank == grid.rank(0, pp - 1, lead_replica())  # noqa: E731
+    if rt is not None and is_logger() and not rt.rejoined:
+        print(f" mecefo: job {rt.job_id} | {engine.recompute_note} | starting at iteration {engine.global_steps}", flush=True)
     t_last, losses = time.monotonic(), []
+    batch_of = lambda it, replica, index: collate(train, sample_range(  # noqa: E731
+        it, replica, index, micro_batch_size=args.micro_batch_size, dp=dp, k=k))
     while engine.global_steps < args.train_iters:
         it = engine.global_steps
-        mbs = [(m.replica, m.index) for m in engine.micro_batches()] if rt else [(env.rank, j) for j in range(k)]
-        for replica, index in mbs:
-            batch = collate(train, sample_range(it, replica, index, micro_batch_size=args.micro_batch_size, dp=env.world, k=k))
-            loss = lm_loss(engine, batch)
-            engine.backward(loss)
-            losses.append(loss.item())
-            stepped = engine.step()
+        if sharded and rt is not None:
+            stepped = engine.train_step(forward_step, lambda mb: batch_of(it, mb.replica, mb.index), seq_length=args.seq_length)
+        elif sharded:  # plain: Megatron's schedule, DeepSpeed's data-parallel averaging, clip, step
+            losses = forward_backward(engine.module, forward_step, (batch_of(it, my_replica, j) for j in range(k)),
+                                      num_microbatches=k, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                                      sum_gradients=False)
+            engine.set_gradient_accumulation_boundary(True)  # the schedule's backward bypassed engine.backward
+            engine.allreduce_gradients()
+            clip_grad_norm(engine.module, clip)
+            engine.step()
+            stepped = True
+        else:
+            mbs = [(m.replica, m.index) for m in engine.micro_batches()] if rt else [(env.rank, j) for j in range(k)]
+            for replica, index in mbs:
+                loss = lm_loss(engine, batch_of(it, replica, index))
+                engine.backward(loss)
+                losses.append(loss.item())
+                stepped = engine.step()
         if rt is not None and not stepped:
             losses = []
             continue  # a peer failed: the survivors regrouped; redo this iteration
         it = engine.global_steps
         if is_logger() and it % args.log_interval == 0:
             lm = engine.last_loss if rt else sum(losses) / len(losses)
-            state = (f" | mecefo: gen {rt.generation} live {len(rt.members)}/{rt.world} cover "
+            live = rt.plan_cover().live if rt else ()
+            state = (f" | mecefo: gen {rt.generation} live {len(live)}/{dp} cover "
                      f"{', '.join(f'{f}->{c}' for f, c in sorted(rt.plan_cover().cover.items())) or 'none'}" if rt else "")
             print(f" iteration {it:8d}/{args.train_iters:8d} | consumed samples: {it * gbs:12d} | elapsed time per iteration (ms): "
                   f"{1000 * (time.monotonic() - t_last) / args.log_interval:8.1f} | learning rate: {engine.get_lr()[0]:.6E} | "
                   f"global batch size: {gbs:5d} | lm loss: {lm:.6E}{state} |", flush=True)
             t_last = time.monotonic()
         losses = []
-        if is_logger() and (it % args.eval_interval == 0 or it == args.train_iters):
-            print(f" validation loss at iteration {it} | lm loss value: {evaluate(engine.module, valid, args):.6E} |", flush=True)
+        in_lead = my_replica == lead_replica()  # with tp/pp the whole replica runs the evaluation and the save
+        if (is_logger() or (sharded and in_lead)) and (it % args.eval_interval == 0 or it == args.train_iters):
+            value = evaluate(engine.module, valid, args, sharded=sharded)
+            if is_logger():
+                print(f" validation loss at iteration {it} | lm loss value: {value:.6E} |", flush=True)
         # plain DeepSpeed: every rank calls save_checkpoint (it has barriers); MeCeFO: one replica writes
-        if args.save and (rt is None or is_logger()) and ((args.save_interval and it % args.save_interval == 0) or it == args.train_iters):
+        if args.save and (rt is None or in_lead) and ((args.save_interval and it % args.save_interval == 0) or it == args.train_iters):
             save_checkpoint(engine, args, it, quiet=not is_logger())
     if rt is not None:
         engine.close()
@@ -261,9 +358,11 @@ if __name__ == "__main__":
         where = f"checkpoint of the last committed step written to {e.checkpoint}" if e.checkpoint else "no checkpoint written here"
         print(f"MeCeFO: cannot continue: {e} ({where})", file=sys.stderr)
         sys.exit(GAVE_UP_EXIT_CODE)
-    except NotAMember as e:
-        print(f"MeCeFO: {e}", file=sys.stderr)
-        sys.exit(1)
-    except (ValueError, FileNotFoundError) as e:
+    except NotAMember as e:  # left out (presumed failed, or its replica lost a rank): the launcher restarts it
+        print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
+        from megatron_mecefo.config import LaunchEnv
+
+        os._exit(RETIRED_EXIT_CODE if LaunchEnv.read().mecefo_launcher else 0)  # no teardown of broken groups (it can abort)
+    except (ValueError, FileNotFoundError) as e:  # bad input, a store of another job (JobConflict), a bad checkpoint
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(USAGE_EXIT_CODE)

@@ -32,7 +32,7 @@ import torch
 
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic.fold import sample_range
-from megatron_mecefo.errors import GAVE_UP_EXIT_CODE, GaveUp, JobFinished
+from megatron_mecefo.errors import GAVE_UP_EXIT_CODE, USAGE_EXIT_CODE, GaveUp, JobConflict, JobFinished
 
 VOCAB, SEQ = 128, 16
 
@@ -96,7 +96,11 @@ def main():
         args.mecefo_log_param_hash = True
     from megatron_mecefo.layers.model import init_model_parallel
 
-    job = init_distributed()
+    try:
+        job = init_distributed()
+    except JobConflict as e:  # MASTER_PORT is held by the store of another (earlier) job
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(USAGE_EXIT_CODE)
     init_model_parallel(1, 1, seed=3)
     model = build_model()
     ds_config = {
@@ -137,6 +141,9 @@ def main():
     except JobFinished as e:
         print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
         return
+    except ValueError as e:  # bad input, or a store that is not this job's (JobConflict)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(USAGE_EXIT_CODE)
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     digest = param_digest(engine.module)
     opt = engine.optimizer.state_dict()["state"]

@@ -2,12 +2,13 @@
 
 MeCeFO needs data that any rank can fetch for any other rank: sample i of the training set is
 `train[i]`, and the runtime maps (step, replica, micro-batch) to sample indices (`sample_range`).
-Index caches are built once: under a file lock when every rank is its own torch.distributed world
-(MeCeFO), by Megatron's rank-0-builds-then-barrier otherwise.
+Index caches are built once: Megatron's rank 0 of the (replica-local, under MeCeFO) world builds
+under a file lock, so replicas take turns; the other ranks wait at Megatron's barrier and load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Sequence, Tuple
@@ -45,11 +46,11 @@ def build_gpt_datasets(data_prefix: str, *, seq_length: int, split: str, seed: i
         create_attention_mask=False, path_to_cache=cache_dir, mmap_bin_files=True,
     )
     builder = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, valid_samples, 0], lambda: True, config)
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        train, valid, _ = builder.build()  # Megatron coordinates: rank 0 builds, a barrier, the rest load
-    else:
-        with file_lock(Path(cache_dir) / "build.lock"):  # replica-local worlds (MeCeFO): one builder at a time
-            train, valid, _ = builder.build()
+    # Megatron coordinates a world: its rank 0 builds, a barrier, the rest load. Under MeCeFO each
+    # replica is its own world, so several rank 0s may build at once: they take turns under a file lock.
+    builds = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    with file_lock(Path(cache_dir) / "build.lock") if builds else contextlib.nullcontext():
+        train, valid, _ = builder.build()
     if train is None or valid is None:
         raise ValueError(f"--split {split} leaves no training or validation documents in {data_prefix}")
     for dataset in (train, valid):

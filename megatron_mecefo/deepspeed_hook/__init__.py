@@ -1,7 +1,9 @@
 """DeepSpeed integration: the only subpackage that imports deepspeed."""
 
+from megatron_mecefo.deepspeed_hook.checkpoint import UnsafeCheckpoint, load_checkpoint, save_checkpoint
 from megatron_mecefo.deepspeed_hook.engine import (
-    MeCeFOEngine, check_ds_config, init_distributed, initialize, param_digest, save_checkpoint,
+    MeCeFOEngine, check_ds_config, init_distributed, initialize, param_digest,
 )
 
-__all__ = ["MeCeFOEngine", "check_ds_config", "init_distributed", "initialize", "param_digest", "save_checkpoint"]
+__all__ = ["MeCeFOEngine", "UnsafeCheckpoint", "check_ds_config", "init_distributed", "initialize", "load_checkpoint",
+           "param_digest", "save_checkpoint"]

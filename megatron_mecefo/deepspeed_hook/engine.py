@@ -22,14 +22,21 @@ stages >= 1 (which shard optimizer state over data-parallel ranks, so a dead ran
 shard) are refused at start-up; ds_config's batch sizes are rewritten per replica
 (train_batch_size = micro batch * accumulation steps), "managed_gradient_accumulation" is false.
 
-Scope: tp = pp = 1 (the runtime's current scope), ZeRO-0, fp32 on gloo (tested). On CUDA the
+Tensor and pipeline parallelism: the replica is its T * P ranks (init_distributed); its forward and
+backward run through Megatron-Core's schedules (`train_step`, 1F1B with P > 1), gradients are
+clipped over the replica's model-parallel ranks (schedule.clip_grad_norm), and a failed collective
+inside the replica raises ReplicaLost: the whole replica leaves and rejoins once restarted.
+
+Scope: ZeRO-0, fp32 on gloo (tested; bf16 is not exercised by CI). On CUDA the
 runtime's groups use NCCL with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 and communicator abort, following
 PyTorch's documented APIs; that path is untested here (no GPU in CI).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import logging
 import os
 from datetime import timedelta
@@ -40,33 +47,99 @@ import torch.distributed as dist
 
 from megatron_mecefo.approx import covering
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig, prepare_nccl_error_handling
+from megatron_mecefo.deepspeed_hook.checkpoint import load_checkpoint, restrict_checkpoint_loading, rng_state, \
+    save_checkpoint, set_rng_state
+from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.elastic.fold import MicroBatch
+from megatron_mecefo.elastic.membership import Membership, OrphanWatch
+from megatron_mecefo.elastic.replica import replica_round, watch_replica
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.elastic.store_daemon import spawn_store_daemon
+from megatron_mecefo.elastic.topology import Grid
+from megatron_mecefo.errors import GaveUp, MeCeFOError, ReplicaLost
+from megatron_mecefo.log import EventLog
 
-__all__ = ["initialize", "MeCeFOEngine", "init_distributed", "check_ds_config", "param_digest", "save_checkpoint"]
+__all__ = ["initialize", "MeCeFOEngine", "init_distributed", "check_ds_config", "param_digest", "save_checkpoint",
+           "load_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
 
-def init_distributed(backend: str = "gloo") -> LaunchEnv:
-    """Initialise torch.distributed over this rank's replica only (tp = pp = 1: a world of one).
+_JOB: Optional[LaunchEnv] = None
+
+
+def init_distributed(backend: str = "gloo", tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                     timeout_s: float = 60.0, join_timeout_s: float = 900.0, heartbeat_timeout_s: float = 5.0,
+                     log_dir: Optional[str] = None) -> LaunchEnv:
+    """Initialise torch.distributed over this rank's replica only: its tensor_parallel x
+    pipeline_parallel ranks (a world of one with tp = pp = 1). Call Megatron's
+    `initialize_model_parallel(tensor_parallel, pipeline_parallel)` afterwards, as usual.
+
+    Ranks are placed in Megatron's default order (tp-cp-ep-dp-pp): global rank
+    tp + T * (dp + D * pp); inside the replica, rank tp + T * pp. A restarted replica forms a new
+    group once all its ranks are up again (replica.py). `join_timeout_s` is how long a rank waits
+    for its replica's other ranks (and the default group's timeout); pass `timeout_s` to
+    `init_model_parallel` too: it bounds the tensor- and pipeline-parallel collectives. A restarted
+    rank waiting for its mates gives up (StateLost) once no rank holding the state has been alive
+    for `heartbeat_timeout_s` (its mates may hang, and nobody is left to admit the replica); the
+    give-up is recorded in `log_dir`'s events_rank{R}.jsonl.
 
     Under mecefo-launch the job's store is the launcher's. Under another launcher (deepspeed,
-    torchrun) rank 0 starts a store daemon on MASTER_PORT that outlives every rank.
-    Returns the launch environment the runtime needs.
+    torchrun) rank 0 makes the job's id and starts a store daemon on MASTER_ADDR:MASTER_PORT that
+    outlives every rank; the others read the id from it.
+    Returns the launch environment the runtime needs (with the job's id).
+
+    Raises:
+        JobConflict: MASTER_PORT is held by another job's store (a rerun while the store of the
+            previous run lingers): exit with USAGE_EXIT_CODE, the message says what to do.
+        ValueError: the world is not a multiple of tensor_parallel x pipeline_parallel.
     """
+    global _JOB
+    if _JOB is not None:  # initialize() calls it again
+        return _JOB
     env = LaunchEnv.read()
+    grid = replica_grid(env.world, tensor_parallel, pipeline_parallel)
     if backend == "nccl":
         prepare_nccl_error_handling()
+    if env.job_id is None and not env.mecefo_launcher and env.rank == 0 and env.incarnation == 0:
+        env = dataclasses.replace(env, job_id=job_store.new_job_id())
+        spawn_store_daemon(env.master_addr, env.master_port, env.job_id, watch_pid=os.getppid())
+    raw = job_store.client(env.master_addr, env.master_port, timedelta(seconds=300))
+    info = job_store.read_job(raw, f"{env.master_addr}:{env.master_port}", env.job_id)
+    env = dataclasses.replace(env, job_id=info["id"])
     if not dist.is_initialized():
-        if not env.mecefo_launcher and env.rank == 0 and env.incarnation == 0:
-            spawn_store_daemon("0.0.0.0", env.master_port)
-        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=300),
-                              wait_for_workers=False)
-        replica_store = dist.PrefixStore(f"mecefo/replica{env.rank}/inc{env.incarnation}", store)
-        dist.init_process_group(backend, store=replica_store, rank=0, world_size=1)
+        tp_rank, pp_rank, replica = grid.coords(env.rank)
+        local, size = tp_rank + grid.tp * pp_rank, grid.tp * grid.pp
+        owners, jstore = [], job_store.job_store(raw, env.job_id)
+        orphan = None
+        if size > 1 and env.incarnation > 0:  # waiting for restarted mates: give up if nobody holds the state
+            orphan = OrphanWatch(Membership(jstore, lambda: None, env.rank, heartbeat_interval_s=heartbeat_timeout_s,
+                                            heartbeat_timeout_s=heartbeat_timeout_s, agree_timeout_s=join_timeout_s)).check
+        try:
+            store = replica_round(jstore, replica=replica, local_rank=local, size=size, incarnation=env.incarnation,
+                                  rank=env.rank, timeout_s=join_timeout_s, owners=owners, while_waiting=orphan)
+        except GaveUp as e:  # recorded like the runtime's give-ups (no runtime exists yet)
+            if log_dir:
+                EventLog(os.path.join(log_dir, f"events_rank{env.rank}.jsonl"), rank=env.rank).write(
+                    "gave_up", kind=type(e).__name__, reason=str(e).splitlines()[0], generation=None, step=None,
+                    members=[], has_state=False, checkpoint=None)
+            raise
+        watch_replica(lambda: job_store.job_store(job_store.client(env.master_addr, env.master_port, timedelta(seconds=60)),
+                                                  env.job_id), owners, env.rank, env.mecefo_launcher)
+        # the default group waits out start-up skew (imports, data); the tensor- and pipeline-parallel
+        # groups that carry the training collectives get timeout_s (init_model_parallel)
+        dist.init_process_group(backend, store=store, rank=local, world_size=size,
+                                timeout=timedelta(seconds=max(timeout_s, join_timeout_s)))
+    _JOB = env
     return env
+
+
+def replica_grid(world: int, tensor_parallel: int, pipeline_parallel: int) -> Grid:
+    """The job's (tp, pp, dp) grid. Raises ValueError when the world does not divide."""
+    if tensor_parallel < 1 or pipeline_parallel < 1 or world % (tensor_parallel * pipeline_parallel):
+        raise ValueError(f"the world of {world} ranks is not divisible by tensor-model-parallel size "
+                         f"({tensor_parallel}) x pipeline-model-parallel size ({pipeline_parallel})")
+    return Grid(tp=tensor_parallel, pp=pipeline_parallel, dp=world // (tensor_parallel * pipeline_parallel))
 
 
 def check_ds_config(ds_config: Dict[str, Any], cfg: MeCeFOConfig) -> None:
@@ -113,31 +186,27 @@ def param_digest(module: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def save_checkpoint(engine, save_dir: str) -> str:
-    """DeepSpeed's checkpoint of `engine` under save_dir/global_step{N} (+ `latest`, and Megatron's
-    latest_checkpointed_iteration.txt); call on ONE rank (every replica believes it is rank 0 of
-    its own world, so two callers would write the same files). Returns the checkpoint directory."""
-    tag = f"global_step{engine.global_steps}"
-    engine.save_checkpoint(save_dir, tag=tag, client_state={"iteration": engine.global_steps})
-    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write(str(engine.global_steps))
-    return os.path.join(save_dir, tag)
-
-
 class MeCeFOEngine:
     """Wraps a DeepSpeedEngine; drives the ElasticRuntime at the accumulation boundary."""
 
-    def __init__(self, engine, runtime: ElasticRuntime, cfg: MeCeFOConfig, micro_batch_size: int) -> None:
+    def __init__(self, engine, runtime: ElasticRuntime, cfg: MeCeFOConfig, micro_batch_size: int,
+                 clip_grad: float = 0.0) -> None:
         self.engine = engine
+        self.clip_grad = clip_grad
+        """With tensor or pipeline parallelism the engine clips (schedule.clip_grad_norm), not DeepSpeed."""
+        self.sharded = runtime.grid.tp * runtime.grid.pp > 1
         self.runtime = runtime
         self.cfg = cfg
         self.micro_batch_size = micro_batch_size
         self.engine.enable_backward_allreduce = False  # the runtime reduces across replicas
         self._plan: Optional[StepPlan] = None
         self._done = 0
+        self._backwards = 0
         self._loss_sum = 0.0
         self.last_loss: Optional[float] = None
         self.last_committed = False
+        self.recompute_note = cfg.recompute_note(live_microbatches=1)  # micro-batches run one at a time here
+        runtime.events.write("config", recompute=self.recompute_note)
         self.record_extra: Dict[str, Any] = {}
         """Extra fields for this step's record in steps_rank{R}.jsonl (set before the step's first micro-batch)."""
 
@@ -158,7 +227,7 @@ class MeCeFOEngine:
         if self._plan is None:
             self.runtime.begin_step(self.engine.global_steps)
             self._plan = self.runtime.plan()
-            self._done, self._loss_sum = 0, 0.0
+            self._done, self._backwards, self._loss_sum = 0, 0, 0.0
             if self.cfg.log_param_hash:  # replicas must be bit-identical at the start of every step
                 self.record_extra["param_sha256"] = param_digest(self.engine.module)
         return self._plan
@@ -178,14 +247,64 @@ class MeCeFOEngine:
     def __call__(self, *args, **kwargs):
         mb = self.current
         self.runtime.injector.maybe_fire(self.engine.global_steps, "forward")
-        policy = self.cfg.cover_policy(self.engine.global_steps) if (mb.covering and self.cfg.enable) else None
-        with covering(self.engine.module, policy):
+        with covering(self.engine.module, self._policy(mb)), self._replica_collectives():
             return self.engine(*args, **kwargs)
+
+    def _policy(self, mb: MicroBatch):
+        return self.cfg.cover_policy(self.engine.global_steps) if (mb.covering and self.cfg.enable) else None
+
+    @contextlib.contextmanager
+    def _replica_collectives(self):
+        """Collectives inside the replica (tensor/pipeline parallel) that fail mean a rank of this
+        replica crashed or hangs: the replica leaves the job (ReplicaLost)."""
+        try:
+            yield
+        except RuntimeError as e:
+            if not self.sharded or isinstance(e, MeCeFOError):
+                raise
+            self.runtime.events.write("replica_lost", step=self.engine.global_steps, error=str(e).splitlines()[0][-200:])
+            raise ReplicaLost(f"[rank {self.runtime.rank} step {self.engine.global_steps}] a collective of this "
+                              f"rank's replica failed ({str(e).splitlines()[0][-200:]}): the replica leaves the job "
+                              "and rejoins when its ranks are restarted") from e
 
     def backward(self, loss: torch.Tensor, **kwargs):
         self.runtime.injector.maybe_fire(self.engine.global_steps, "backward")
         self._loss_sum += float(loss.detach())
-        return self.engine.backward(loss, scale_wrt_gas=False, **kwargs)  # micro-batch gradients are SUMMED
+        self._backwards += 1
+        with self._replica_collectives():
+            return self.engine.backward(loss, scale_wrt_gas=False, **kwargs)  # micro-batch gradients are SUMMED
+
+    def train_step(self, forward_step_func, batch_of, *, seq_length: int) -> bool:
+        """One global step through Megatron-Core's schedule (1F1B with pipeline parallelism): the
+        plan's micro-batches (own, then adopted), each forward in its covering mode; then reduce,
+        commit and optimizer step as `step()` does. Returns True when an optimizer step was taken.
+
+        Args:
+            forward_step_func: Megatron's `(data_iterator, model) -> (output, loss_func)`.
+            batch_of: MicroBatch -> the item `data_iterator` yields for it (every stage gets one).
+        """
+        from megatron_mecefo.deepspeed_hook.schedule import forward_backward
+
+        plan = self.plan()
+        mbs = list(plan.micro_batches)
+        step = self.engine.global_steps
+        inject = self.runtime.injector
+
+        def before(i):
+            inject.maybe_fire(step, "forward")
+            return covering(self.engine.module, self._policy(mbs[i]))
+
+        def after(i, output):
+            if output.requires_grad:  # fires inside the backward of this micro-batch, on every stage
+                output.register_hook(lambda g: inject.maybe_fire(step, "backward"))
+
+        with self._replica_collectives():
+            losses = forward_backward(self.engine.module, forward_step_func, (batch_of(mb) for mb in mbs),
+                                      num_microbatches=len(mbs), seq_length=seq_length,
+                                      micro_batch_size=self.micro_batch_size, before_forward=before, after_forward=after)
+        self._loss_sum, self._backwards = sum(losses), len(mbs)
+        self._done = len(mbs) - 1
+        return self.step()
 
     def step(self, **kwargs) -> bool:
         """After each micro-batch. At the plan's last one: reduce, commit, optimizer step.
@@ -198,7 +317,8 @@ class MeCeFOEngine:
             return False
         samples = len(plan.micro_batches) * self.micro_batch_size
         total_loss, total_samples = self.runtime.reduce_gradients(self.engine.module.parameters(),
-                                                                  stats=[self._loss_sum, samples])
+                                                                  stats=[self._loss_sum, samples],
+                                                                  micro_batches=self._backwards)
         self._plan = None
         committed = self.runtime.commit(loss=total_loss / plan.divisor if plan.divisor else None,
                                         samples=int(total_samples), lr=self._lr(), **self.record_extra)
@@ -206,6 +326,11 @@ class MeCeFOEngine:
         if committed:
             self.last_loss = total_loss / plan.divisor
             self.runtime.injector.maybe_fire(self.engine.global_steps, "optimizer")
+            if self.sharded:
+                from megatron_mecefo.deepspeed_hook.schedule import clip_grad_norm
+
+                with self._replica_collectives():
+                    clip_grad_norm(self.engine.module, self.clip_grad)
             self.engine.step(**kwargs)
         else:
             self.engine.zero_grad()
@@ -226,7 +351,7 @@ class MeCeFOEngine:
 
 def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mecefo: Optional[MeCeFOConfig] = None,
                model_parameters=None, mpu=None, train_iters: Optional[int] = None, save_dir: Optional[str] = None,
-               **kwargs) -> MeCeFOEngine:
+               load_dir: Optional[str] = None, **kwargs) -> MeCeFOEngine:
     """`deepspeed.initialize` with MeCeFO. Call after `init_distributed()` and building the model.
 
     Args:
@@ -239,9 +364,13 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
             absorb): `engine.save_checkpoint(save_dir, tag="global_step{N}")` of the last committed
             step on one rank that holds the state, loadable with `engine.load_checkpoint(save_dir)`.
             None: no checkpoint (the give-up message says so).
+        load_dir: resume from the DeepSpeed checkpoint there (`load_checkpoint`): loaded once, before
+            the runtime starts, by every first-incarnation rank; a restarted rank takes the live
+            state from a peer instead and never loads over it.
 
     Raises:
         ValueError: an invalid "mecefo" value or a DeepSpeed setting MeCeFO refuses, before training.
+        FileNotFoundError / UnsafeCheckpoint: `load_dir` holds no loadable checkpoint.
     """
     import deepspeed
 
@@ -255,12 +384,24 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
     if cfg.trace is not None and train_iters is None:
         raise ValueError('mecefo "trace" needs initialize(..., train_iters=N) to lay out the failures')
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    job = init_distributed(backend)
-    os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize asserts on it
-    ds_config, k, mb = _replica_ds_config(config, job.world)
-    if mpu is None:
-        from megatron.core import parallel_state
+    from megatron.core import parallel_state
 
+    tp = pp = 1
+    if parallel_state.model_parallel_is_initialized():
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+    job = init_distributed(backend, tp, pp, timeout_s=cfg.collective_timeout_s, join_timeout_s=cfg.join_timeout_s,
+                           heartbeat_timeout_s=cfg.heartbeat_timeout_s, log_dir=cfg.log_dir)
+    os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize asserts on it
+    if pp > 1 and getattr(model, "share_embeddings_and_output_weights", False):
+        raise ValueError("tied input and output embeddings (share_embeddings_and_output_weights) with pipeline "
+                         "parallelism are not supported with MeCeFO yet: untie them (Megatron: "
+                         "--untie-embeddings-and-output-weights)")
+    ds_config, k, mb = _replica_ds_config(config, job.world // (tp * pp))
+    clip = 0.0
+    if tp * pp > 1:  # DeepSpeed's clipping miscounts pipeline stages > 0: the engine clips instead
+        clip = float(ds_config.pop("gradient_clipping", 0.0) or 0.0)
+    if mpu is None:
         if parallel_state.model_parallel_is_initialized():
             from megatron_mecefo.deepspeed_hook.mpu import MegatronMPU
 
@@ -271,14 +412,17 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
         model_parameters=model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad],
         **kwargs,
     )
-    runtime = ElasticRuntime(cfg, rank=job.rank, world=job.world, store_host=job.master_addr,
-                             store_port=job.master_port, micro_batches=k, incarnation=job.incarnation,
-                             soft_failures=not job.mecefo_launcher, backend=backend)
+    restrict_checkpoint_loading(engine)
+    runtime = ElasticRuntime(cfg, rank=job.rank, world=job.world, tensor_parallel=tp, pipeline_parallel=pp,
+                             store_host=job.master_addr,
+                             store_port=job.master_port, job_id=job.job_id, max_restarts=job.max_restarts,
+                             micro_batches=k, incarnation=job.incarnation, soft_failures=not job.mecefo_launcher,
+                             backend=backend)
 
     def get_state():
         return {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
                 "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-                "global_steps": engine.global_steps, "global_samples": engine.global_samples}
+                "global_steps": engine.global_steps, "global_samples": engine.global_samples, "rng": rng_state()}
 
     def set_state(state):
         engine.module.load_state_dict(state["module"])
@@ -286,13 +430,16 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
         if state["lr_scheduler"] is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
         engine.global_steps, engine.global_samples = state["global_steps"], state["global_samples"]
+        set_rng_state(state["rng"])
 
     runtime.set_state_hooks(get_state, set_state)
     if save_dir is not None:
         runtime.set_checkpoint_hook(lambda: save_checkpoint(engine, save_dir))
     if train_iters is not None:
         runtime.set_trace(train_iters)
-    step = runtime.start()
-    if step != engine.global_steps and job.incarnation == 0:
+    if load_dir is not None and job.incarnation == 0:
+        load_checkpoint(engine, load_dir)
+    step = runtime.start(engine.global_steps)
+    if step != engine.global_steps:
         raise RuntimeError(f"runtime step {step} != engine step {engine.global_steps}")
-    return MeCeFOEngine(engine, runtime, cfg, mb)
+    return MeCeFOEngine(engine, runtime, cfg, mb, clip_grad=clip)

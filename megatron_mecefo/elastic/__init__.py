@@ -8,6 +8,7 @@
 * runtime.py    ElasticRuntime: begin_step / plan / reduce_gradients / commit
 * inject.py     FaultInjector: kill / hang at (rank, step, phase, incarnation)
 * chaos.py      seeded random failure schedules, a runner, and the invariants every run must satisfy
+* store.py      the job's store: listens on MASTER_ADDR, one job id, keys namespaced by it
 * launch.py     mecefo-launch; store_daemon.py for other launchers
 """
 

@@ -66,6 +66,13 @@ class Schedule:
     faults: tuple
     restart_after: Optional[float]
     """Seconds before mecefo-launch restarts a failed rank; None: no restarts."""
+    tp: int = 1
+    pp: int = 1
+    """Tensor and pipeline parallel sizes: `world` ranks hold world / (tp * pp) replicas."""
+
+    @property
+    def grid(self) -> Grid:
+        return Grid(tp=self.tp, pp=self.pp, dp=self.world // (self.tp * self.pp))
 
     def flags(self) -> List[str]:
         """The script's `--mecefo-inject` flags."""
@@ -177,27 +184,36 @@ def events(log_dir: Path, world: int, name: str) -> List[dict]:
     return [e for r in range(world) for e in _jsonl(log_dir / f"events_rank{r}.jsonl") if e["event"] == name]
 
 
-def _check_steps(records: Dict[int, List[dict]], world: int, k: int, last: int) -> List[str]:
+def _check_steps(records: Dict[int, List[dict]], grid: Grid, k: int, last: int) -> List[str]:
+    """Every rank logs its step; each (tp, pp) position's ranks must together have run the global
+    batch once, and hold bit-identical shards."""
     bad = []
     if sorted(records) != list(range(last)):
         bad.append(f"committed steps are not 0..{last - 1}: missing {sorted(set(range(last)) - set(records))[:10]}, "
                    f"extra {sorted(set(records) - set(range(last)))[:10]}")
-    full = [(d, j) for d in range(world) for j in range(k)]
+    full = [(d, j) for d in range(grid.dp) for j in range(k)]
     for step in sorted(records):
-        recs = records[step]
-        if len({r["generation"] for r in recs}) != 1:
-            bad.append(f"step {step} committed by several generations: {sorted({r['generation'] for r in recs})}")
-        ranks = [r["rank"] for r in recs]
-        if len(ranks) != len(set(ranks)):
-            bad.append(f"step {step} committed twice by one rank: {sorted(ranks)}")
-        mbs = sorted((m[0], m[1]) for r in recs for m in r["micro_batches"])
-        if mbs != full:
-            bad.append(f"step {step} did not consume the global batch exactly once: {mbs}")
-        hashes = {r.get("param_sha256") for r in recs}
-        if len(hashes) > 1:
-            bad.append(f"replicas differ at the start of step {step}")
+        bad += _check_step(step, records[step], grid, full)
         if len(bad) > 12:
             break
+    return bad
+
+
+def _check_step(step: int, records: List[dict], grid: Grid, full: list) -> List[str]:
+    bad = []
+    if len({r["generation"] for r in records}) != 1:
+        bad.append(f"step {step} committed by several generations: {sorted({r['generation'] for r in records})}")
+    ranks = [r["rank"] for r in records]
+    if len(ranks) != len(set(ranks)):
+        bad.append(f"step {step} committed twice by one rank: {sorted(ranks)}")
+    for position in sorted({grid.position(r) for r in ranks}):
+        recs = [r for r in records if grid.position(r["rank"]) == position]
+        where = f" at position (tp, pp) = {position}" if grid.tp * grid.pp > 1 else ""
+        mbs = sorted((m[0], m[1]) for r in recs for m in r["micro_batches"])
+        if mbs != full:
+            bad.append(f"step {step} did not consume the global batch exactly once{where}: {mbs}")
+        if len({r.get("param_sha256") for r in recs}) > 1:
+            bad.append(f"replicas differ at the start of step {step}{where}")
     return bad
 
 
@@ -205,19 +221,19 @@ def check_run(result: RunResult, log_dir: Path, schedule: Schedule, *, k: int, b
     """Check the invariants of one run. Returns (outcome, violations): outcome is "finished",
     "gave_up" or "failed"; violations is a list of strings (empty: the run ended well)."""
     bad: List[str] = []
-    world = schedule.world
+    world, grid = schedule.world, schedule.grid
     if result.returncode is None:
         return "failed", [f"did not end within {result.elapsed_s:.0f} s (hung)"]
     if result.elapsed_s > bound_s:
         bad.append(f"took {result.elapsed_s:.0f} s, over the bound of {bound_s:.0f} s")
     records = step_records(log_dir, world)
     if result.returncode == 0:
-        bad += _check_steps(records, world, k, schedule.steps)
+        bad += _check_steps(records, grid, k, schedule.steps)
         return ("finished" if not bad else "failed"), bad
     if result.returncode != 3:
         return "failed", bad + [f"launcher exit status {result.returncode} (expected 0, or 3 for a clean give-up)"]
     last = max(records) + 1 if records else 0
-    bad += _check_steps(records, world, k, last)
+    bad += _check_steps(records, grid, k, last)
     gave_up = events(log_dir, world, "gave_up")
     roots = [e for e in gave_up if e["kind"] != "JobAborted"]
     if not roots and "no rank of the job is left running" not in result.stderr:
@@ -225,13 +241,18 @@ def check_run(result: RunResult, log_dir: Path, schedule: Schedule, *, k: int, b
     for e in roots:
         if e["kind"] == "NoCoverAvailable":
             try:
-                plan_cover(Grid(dp=world), e["members"])
+                plan_cover(grid, e["members"])
                 bad.append(f"gave up for no cover although survivors {e['members']} can be covered")
             except NoCoverAvailable:
                 pass
         elif e["kind"] != "StateLost":
             bad.append(f"gave up for {e['kind']}: {e['reason']}")
+    # a checkpoint is owed when a rank of a whole surviving replica held the state (a replica that lost
+    # a rank holds only some shards)
     holders = [e for e in gave_up if e.get("has_state")]
+    if grid.tp * grid.pp > 1 and roots:
+        whole = set(grid.live_replicas(roots[0]["members"]))
+        holders = [e for e in holders if grid.replica_of(e["rank"]) in whole]
     written = [e for e in gave_up if e.get("checkpoint")]
     if holders and not written:
         bad.append(f"ranks {[e['rank'] for e in holders]} held the state but no checkpoint was written")

@@ -1,8 +1,9 @@
 """Data-parallel process groups, rebuilt among the members of each generation.
 
 Each generation gets a fresh group over `PrefixStore(f"mecefo/gen{g}/dp", store)`, so its
-rendezvous keys never collide with an earlier, broken one. Only members call `build_dp_group`;
-nothing else (tensor- or pipeline-parallel groups) is touched.
+rendezvous keys never collide with an earlier, broken one; with tensor or pipeline parallelism there
+is one per (tp, pp) position. Only members call `build_dp_group`; nothing else (the replica's own
+tensor- and pipeline-parallel groups) is touched.
 
 gloo (CPU, tested): `ProcessGroupGloo(prefix_store, rank, size, timeout)`; the timeout bounds how
 long a hung peer can stall a collective. A broken group is aborted and dropped.
@@ -34,13 +35,14 @@ def dense_rank(members: Sequence[int], rank: int) -> int:
 
 
 def build_dp_group(store: dist.Store, generation: int, members: Sequence[int], rank: int, timeout: timedelta,
-                   backend: str = "gloo"):
-    """The data-parallel group of `generation` over `members` (call on every member).
+                   backend: str = "gloo", tag: str = "t0p0"):
+    """The data-parallel group of `generation` over `members` (call on every member); `tag` names
+    the (tp, pp) position whose group it is (one per position).
 
     Returns:
         A torch.distributed backend ProcessGroup (gloo or NCCL) of size len(members).
     """
-    prefix = dist.PrefixStore(f"mecefo/gen{generation}/dp", store)
+    prefix = dist.PrefixStore(f"mecefo/gen{generation}/dp/{tag}", store)
     size, me = len(members), dense_rank(members, rank)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefix, me, size, timeout)

@@ -26,9 +26,10 @@ import os
 import random
 import signal
 import sys
-from typing import Iterable, List, Mapping, Sequence
+from typing import Iterable, List, Mapping, Optional, Sequence
 
-__all__ = ["FaultInjector", "PHASES", "TraceEvent", "failure_trace", "trace_from_events", "PAPER_SCENARIOS"]
+__all__ = ["FaultInjector", "PHASES", "TraceEvent", "failure_trace", "trace_from_events", "PAPER_SCENARIOS",
+           "check_rules", "check_trace", "job_trace", "REJOIN_SLACK"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,10 @@ PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "join", "
 
 PAPER_SCENARIOS = {"low": (2.0, 4.0), "medium": (1.0, 3.0), "high": (0.5, 2.0)}
 """The paper's failure scenarios: (mean time between failures, recovery time) in hours."""
+
+REJOIN_SLACK = 2
+"""Steps a restarted rank is still counted down after its trace's rejoin step: it is admitted at a
+step boundary once it is back, not at the rejoin step itself."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +61,19 @@ def trace_from_events(events: Iterable[Sequence[int]]) -> List[TraceEvent]:
     return out
 
 
-def failure_trace(world: int, total_steps: int, mtbf_steps: float, recovery_steps: int, seed: int = 0) -> List[TraceEvent]:
+def _down(events: Sequence[TraceEvent], step: int) -> set:
+    return {e.rank for e in events if e.fail_step <= step < e.rejoin_step + REJOIN_SLACK}
+
+
+def failure_trace(world: int, total_steps: int, mtbf_steps: float, recovery_steps: int, seed: int = 0,
+                  max_restarts: Optional[int] = None) -> List[TraceEvent]:
     """A deterministic failure trace: Poisson arrivals (job-wide mean gap `mtbf_steps`), each taking
     one healthy rank down for `recovery_steps`. A failure that would leave some failed replica
-    without a neighbour (more than MeCeFO can absorb) is skipped. Pure: every rank computes the
-    same trace from the same arguments.
+    without a neighbour (more than MeCeFO can absorb) is skipped. A rank that has used up its
+    `max_restarts` (None: unlimited; 0 under a launcher that does not restart) stays down to the end
+    once it fails. Pure: every rank computes the same trace from the same arguments.
     """
-    from megatron_mecefo.elastic.topology import Grid, plan_cover
-    from megatron_mecefo.errors import NoCoverAvailable
+    from megatron_mecefo.elastic.topology import Grid
 
     if mtbf_steps <= 0 or recovery_steps < 1:
         raise ValueError("failure_trace needs mtbf_steps > 0 and recovery_steps >= 1")
@@ -74,19 +84,94 @@ def failure_trace(world: int, total_steps: int, mtbf_steps: float, recovery_step
     t = rng.expovariate(1.0 / mtbf_steps)
     while t < total_steps:
         step = max(1, int(t))
-        down = {e.rank for e in events if e.fail_step <= step < e.rejoin_step}
+        down = _down(events, step)
         healthy = [r for r in range(world) if r not in down]
         rng.shuffle(healthy)
         for victim in healthy:
-            try:
-                plan_cover(grid, [r for r in range(world) if r not in down and r != victim])
-            except NoCoverAvailable:
+            restartable = max_restarts is None or incarnations[victim] < max_restarts
+            rejoin = step + recovery_steps if restartable else max(total_steps, step + 1)
+            trial = events + [TraceEvent(victim, step, rejoin, incarnations[victim])]
+            if not _absorbable(grid, trial, step):  # events come in time order: only this step can break
                 continue
-            events.append(TraceEvent(victim, step, step + recovery_steps, incarnations[victim]))
+            events.append(trial[-1])
             incarnations[victim] += 1
             break
         t += rng.expovariate(1.0 / mtbf_steps)
     return events
+
+
+def _absorbable(grid, events: Sequence[TraceEvent], step: int) -> bool:
+    from megatron_mecefo.elastic.topology import plan_cover
+    from megatron_mecefo.errors import NoCoverAvailable
+
+    try:
+        plan_cover(grid, [r for r in range(grid.world) if r not in _down(events, step)])
+        return True
+    except NoCoverAvailable:
+        return False
+
+
+def check_rules(rules: Iterable[Mapping], world: int) -> None:
+    """Injection rules must name ranks of the job. Raises ValueError naming the rule."""
+    for r in rules:
+        if not 0 <= int(r["rank"]) < world:
+            raise ValueError(
+                f'mecefo "inject" rule {r["kind"]}:{r["rank"]}:{r["step"]}:{r.get("phase", "backward")} names rank '
+                f'{r["rank"]}, but the job has {world} ranks (0..{world - 1}): it would never fire')
+
+
+def check_trace(events: Sequence[TraceEvent], world: int, total_steps: int, max_restarts: Optional[int]) -> None:
+    """Reject a trace that cannot run as written, before training. Raises ValueError naming the event.
+
+    Checks: ranks in range; a rank fails again only after its rejoin step; every failure is
+    absorbable under the ring cover plan (counting a restarted rank down until REJOIN_SLACK steps
+    after its rejoin step); a rank that must come back before the end is within `max_restarts`
+    (None: not known, not checked; 0: the launcher restarts nobody).
+    """
+    from megatron_mecefo.elastic.topology import Grid
+
+    grid = Grid(dp=world)
+    name = lambda e: f"[{e.rank}, {e.fail_step}, {e.rejoin_step}]"  # noqa: E731
+    restarts = [0] * world
+    last = {}
+    for e in sorted(events, key=lambda e: (e.fail_step, e.rank)):
+        if not 0 <= e.rank < world:
+            raise ValueError(f'mecefo "trace" event {name(e)}: rank {e.rank} is not a rank of this job (0..{world - 1})')
+        if e.rejoin_step <= e.fail_step:
+            raise ValueError(f'mecefo "trace" event {name(e)}: the rejoin step must come after the failure step')
+        prev = last.get(e.rank)
+        if prev is not None and e.fail_step < prev.rejoin_step + REJOIN_SLACK:
+            raise ValueError(
+                f'mecefo "trace" event {name(e)}: rank {e.rank} is still down then (event {name(prev)}; a restarted '
+                f"rank is back {REJOIN_SLACK} steps after its rejoin step)")
+        last[e.rank] = e
+        if e.fail_step >= total_steps:
+            continue
+        if not _absorbable(grid, events, e.fail_step):
+            down = sorted(_down(events, e.fail_step))
+            raise ValueError(
+                f'mecefo "trace" event {name(e)}: at step {e.fail_step} ranks {down} are down and some failed replica '
+                "has no healthy, non-covering neighbour left (MeCeFO absorbs at most one failed replica per live "
+                "replica): MeCeFO cannot absorb this trace")
+        if e.rejoin_step < total_steps:
+            restarts[e.rank] += 1
+            if max_restarts is not None and restarts[e.rank] > max_restarts:
+                raise ValueError(
+                    f'mecefo "trace" event {name(e)}: rank {e.rank} must be restarted {restarts[e.rank]} times by then, '
+                    f"but the launcher restarts a rank at most {max_restarts} times "
+                    + ("(mecefo-launch --max-restarts)" if max_restarts else
+                       "(no restarts: use mecefo-launch --restart-failed-after SECONDS)"))
+
+
+def job_trace(trace: Mapping, world: int, total_steps: int, max_restarts: Optional[int]) -> List[TraceEvent]:
+    """The TraceEvents of a validated config "trace" for this job: a replayed trace is checked
+    (ValueError naming the event), a generated one leaves out what cannot be absorbed."""
+    if "events" in trace:
+        events = trace_from_events(trace["events"])
+        check_trace(events, world, total_steps, max_restarts)
+        return events
+    return failure_trace(world, total_steps, trace["mtbf_steps"], trace["recovery_steps"], trace["seed"],
+                         max_restarts=max_restarts)
 
 
 class FaultInjector:

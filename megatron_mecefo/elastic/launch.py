@@ -8,9 +8,15 @@ launcher reports the exit and lets the survivors recover in-process (MeCeFO). Wi
 MECEFO_INCARNATION > 0) and rejoins at a step boundary.
 
 The store (a TCPStore) lives in this process on node 0, so any training rank may die without
-taking the rendezvous with it. Ranks get RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT (the store; TORCHELASTIC_USE_AGENT_STORE=1 makes torch's env:// init
-connect to it as a client), MECEFO_INCARNATION and MECEFO_LAUNCHER=1.
+taking the rendezvous with it. It listens on --master-addr only (127.0.0.1 by default) and belongs
+to one job: the launcher makes the job's id (node 0; the other nodes read it from the store) and
+every key lives under it. For multi-node jobs that must survive the loss of node 0 too, run the
+store on a head node (`mecefo-store --host HEAD --port PORT`) and start every node's launcher with
+`--external-store --master-addr HEAD --master-port PORT`: then every launcher is a client. A port already taken (say, by the lingering store of an earlier run) ends
+the launcher with exit status 2 and a message saying what holds it. Ranks get RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (the store; TORCHELASTIC_USE_AGENT_STORE=1
+makes torch's env:// init connect to it as a client), MECEFO_INCARNATION, MECEFO_JOB_ID,
+MECEFO_MAX_RESTARTS (what a trace may count on) and MECEFO_LAUNCHER=1.
 
 The job ends early, with no more restarts, when:
 * a rank gives up (exit status 3, or `job/failed` in the store: no cover possible, no member with
@@ -18,7 +24,9 @@ The job ends early, with no more restarts, when:
   the checkpoint), hung ranks are killed, and the launcher exits 3 naming the reason and checkpoint;
 * it receives SIGTERM or SIGINT (a scheduler cancelling the job): every rank gets SIGTERM (SIGKILL
   after `--term-grace` s), and the launcher exits 128 + the signal number;
-* (single node) no rank is left running: a failed rank is not restarted into a job with no member.
+* (single node) no rank is left running: a failed rank is not restarted into a job with no member;
+* a rank exits with status 2 (bad input, found before training): the others get SIGTERM and the
+  launcher exits 2.
 Ranks die with the launcher (Linux PR_SET_PDEATHSIG), so a killed launcher leaves none behind.
 
 Exit status otherwise: 0 when every rank that ended on its own ended with 0 and at least one did;
@@ -39,18 +47,12 @@ import time
 from datetime import timedelta
 from typing import Optional
 
-import torch.distributed as dist
+from megatron_mecefo.elastic import store as job_store
+from megatron_mecefo.errors import GAVE_UP_EXIT_CODE, RETIRED_EXIT_CODE, USAGE_EXIT_CODE
 
-from megatron_mecefo.errors import GAVE_UP_EXIT_CODE
-
-__all__ = ["main", "host_store"]
+__all__ = ["main"]
 
 logger = logging.getLogger("mecefo-launch")
-
-
-def host_store(host: str, port: int) -> dist.TCPStore:
-    """Host the job's TCPStore (port 0: any free port; read it back from `.port`)."""
-    return dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=300), wait_for_workers=False)
 
 
 def _stopped(pid: int) -> bool:
@@ -79,8 +81,12 @@ def parse_args(argv=None):
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", "--node_rank", type=int, default=0)
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1",
+                   help="node 0's address; the store listens on it only (127.0.0.1)")
     p.add_argument("--master-port", "--master_port", type=int, default=29500, help="store port (0: any free port, node 0 only)")
+    p.add_argument("--external-store", action="store_true",
+                   help="the store runs elsewhere (mecefo-store on a head node at --master-addr:--master-port); "
+                        "node 0 does not host it, so losing any node is survived")
     p.add_argument("--restart-failed-after", type=float, default=None, metavar="SECONDS",
                    help="restart a failed rank after this many seconds so it rejoins")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts per rank (3)")
@@ -93,8 +99,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         p.error("need nproc-per-node >= 1, nnodes >= 1 and 0 <= node-rank < nnodes")
-    if args.master_port == 0 and args.nnodes > 1:
-        p.error("--master-port 0 works on a single node only")
+    if args.master_port == 0 and (args.nnodes > 1 or args.external_store):
+        p.error("--master-port 0 works on a single node that hosts the store only")
     return args
 
 
@@ -137,24 +143,43 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="[mecefo-launch] %(message)s")
     args = parse_args(argv)
     world = args.nnodes * args.nproc_per_node
-    store = host_store("0.0.0.0" if args.nnodes > 1 else args.master_addr, args.master_port) if args.node_rank == 0 else None
-    port = store.port if store is not None else args.master_port
+    timeout = timedelta(seconds=300)
+    try:
+        if args.node_rank == 0 and not args.external_store:
+            job_id = job_store.new_job_id()
+            raw = job_store.host_store(args.master_addr, args.master_port, job_id, timeout)
+        else:
+            raw = job_store.client(args.master_addr, args.master_port, timeout)
+            job_id = job_store.read_job(raw, f"{args.master_addr}:{args.master_port}")["id"]
+    except OSError as e:
+        busy = e.errno == 98  # EADDRINUSE
+        logger.error("cannot host the job's store: %s", job_store.describe_busy_port(args.master_addr, args.master_port)
+                     if busy else e)
+        return USAGE_EXIT_CODE
+    except Exception as e:  # JobConflict, or node 0 unreachable
+        logger.error("cannot reach the job's store at %s:%d: %s", args.master_addr, args.master_port, e)
+        return USAGE_EXIT_CODE
+    port = raw.port if args.node_rank == 0 and not args.external_store else args.master_port
+    client = job_store.job_store(raw, job_id)
+    logger.info("job %s: store on %s:%d", job_id, args.master_addr, port)
     ranks = [_Rank(args.node_rank * args.nproc_per_node + i, i) for i in range(args.nproc_per_node)]
-    client = store if store is not None else dist.TCPStore(
-        args.master_addr, port, is_master=False, timeout=timedelta(seconds=300), wait_for_workers=False)
+    max_restarts = args.max_restarts if args.restart_failed_after is not None else 0
 
-    def report_exit(rank: int) -> None:
-        """Tell the survivors at once (membership reads `exited/{rank}`)."""
+    def report_exit(r: _Rank) -> None:
+        """Tell the survivors at once (membership reads `exited/{rank}`; a replica's rendezvous reads
+        `exited/{rank}/{incarnation}`, which is never cleared)."""
         try:
-            client.set(f"exited/{rank}", "1")
+            client.set(f"exited/{r.rank}", "1")
+            client.set(f"exited/{r.rank}/{r.incarnation}", "1")
         except Exception as e:
-            logger.info("could not record the exit of rank %d in the store: %s", rank, e)
+            logger.info("could not record the exit of rank %d in the store: %s", r.rank, e)
 
     def spawn(r: _Rank) -> None:
         env = dict(
             os.environ, RANK=str(r.rank), LOCAL_RANK=str(r.local_rank), WORLD_SIZE=str(world),
             LOCAL_WORLD_SIZE=str(args.nproc_per_node), MASTER_ADDR=args.master_addr, MASTER_PORT=str(port),
             TORCHELASTIC_USE_AGENT_STORE="1", MECEFO_INCARNATION=str(r.incarnation), MECEFO_LAUNCHER="1",
+            MECEFO_JOB_ID=job_id, MECEFO_MAX_RESTARTS=str(max_restarts),
         )
         r.proc = subprocess.Popen([sys.executable, "-u", args.script, *args.script_args], env=env,
                                   preexec_fn=_die_with_parent(os.getpid()))
@@ -162,22 +187,27 @@ def main(argv=None) -> int:
 
     # Why the job ends early, if it does: ("signal", signum) from a scheduler's SIGTERM / SIGINT,
     # ("gave_up", None) when a rank gave up (exit 3 or job/failed), ("no_rank", None) when no rank
-    # of this single-node job is left running to restart into.
+    # of this single-node job is left running to restart into, ("usage", None) when a rank found
+    # bad input (exit 2).
     ending: list = []
     end_deadline = [None]
+
+    def terminate_all(why: tuple) -> None:
+        """End the job now: no restarts, SIGTERM to every running rank (SIGKILL to stopped ones)."""
+        ending[:] = [why]
+        end_deadline[0] = time.monotonic() + args.term_grace
+        for r in ranks:
+            r.restart_at = None
+            if r.proc is not None and r.proc.poll() is None:
+                if _stopped(r.proc.pid):
+                    r.proc.kill()
+                else:
+                    r.proc.send_signal(signal.SIGTERM)
 
     def on_signal(signum, _frame):
         if not ending or ending[0][0] != "signal":
             logger.info("received %s: ending every rank, no restarts", signal.Signals(signum).name)
-            ending[:] = [("signal", signum)]
-            end_deadline[0] = time.monotonic() + args.term_grace
-            for r in ranks:
-                r.restart_at = None
-                if r.proc is not None and r.proc.poll() is None:
-                    if _stopped(r.proc.pid):
-                        r.proc.kill()
-                    else:
-                        r.proc.send_signal(signal.SIGTERM)
+            terminate_all(("signal", signum))
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -209,13 +239,16 @@ def main(argv=None) -> int:
             logger.info("rank %d (pid %d) ended: %s", r.rank, r.proc.pid, _describe(code))
             r.proc, r.final = None, code
             if code != 0:
-                report_exit(r.rank)
+                report_exit(r)
             if code == 0:
                 ok_exits += 1
                 continue
             if code == GAVE_UP_EXIT_CODE and not ending:
                 ending[:] = [("gave_up", None)]
-            if code > 0 and first_error is None:
+            if code == USAGE_EXIT_CODE and not ending:
+                logger.info("rank %d found bad input (exit 2): ending the job, no restarts", r.rank)
+                terminate_all(("usage", None))
+            if code > 0 and code != RETIRED_EXIT_CODE and first_error is None:  # a retired rank is no error
                 first_error = code
             others_running = any(o.proc is not None and o.proc.poll() is None and not _stopped(o.proc.pid)
                                  for o in ranks if o is not r)
@@ -246,7 +279,7 @@ def main(argv=None) -> int:
                 r.proc.kill()
                 r.proc.wait()
                 r.proc, r.final = None, -signal.SIGKILL
-                report_exit(r.rank)
+                report_exit(r)
         if ending and end_deadline[0] is not None and now > end_deadline[0]:
             for r in live:
                 if r.proc.poll() is None:
@@ -258,6 +291,8 @@ def main(argv=None) -> int:
         time.sleep(0.1)
     if ending and ending[0][0] == "signal":
         return 128 + ending[0][1]
+    if ending and ending[0][0] == "usage":
+        return USAGE_EXIT_CODE
     outcome = _job_outcome(client)
     if outcome is not None or (ending and ending[0][0] in ("gave_up", "no_rank")):
         reason = (outcome or {}).get("reason", "a rank exited with status 3")

@@ -13,10 +13,11 @@ generation never mislead a later one:
   state, step) with compare-and-set; everyone adopts the first published plan. A failure during
   agreement only delays it; the next generation starts over. A plan with no state holder is never
   published: "lost" ends the job instead.
-* commit      `gen{g}/step{s}/vote/{rank}`, `.../decision`: each member votes ok/abort after its
-  gradient reduction; the lowest live member decides commit (all voted ok) or abort (any abort vote
-  or a member presumed failed) with compare-and-set, and everyone follows the one decision. A rank
-  that dies after the decision does not change it, so the optimizer step is all-or-nothing.
+* commit      `gen{g}/step{s}/vote/{rank}`, `.../oks`, `.../decision`: each member votes ok/abort
+  after its gradient reduction (an ok vote also counts up `oks`; an abort vote decides abort at
+  once); the lowest live member decides commit (`oks` reached the member count) or abort (a member
+  presumed failed) with compare-and-set, and everyone follows the one decision. A rank that dies
+  after the decision does not change it, so the optimizer step is all-or-nothing.
 * exits       `exited/{rank}`: set by the launcher when a rank's process ends abnormally, so a
   crash is known at once instead of after heartbeat_timeout_s.
 * joins       `join/{rank}`, `joinee/{rank}`: a restarted rank announces itself; the decider names
@@ -34,23 +35,32 @@ import json
 import logging
 import threading
 import time
-from datetime import timedelta
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_mecefo.errors import AgreementTimeout, JobAborted, JobFinished, JoinTimeout, NotAMember, StateLost
+from megatron_mecefo.errors import AgreementTimeout, JobAborted, JobFinished, JoinTimeout, NoCoverAvailable, NotAMember, \
+    StateLost
 
-__all__ = ["Membership", "Decision", "GenerationPlan", "OrphanWatch", "connect_store"]
+__all__ = ["Membership", "Decision", "GenerationPlan", "OrphanWatch"]
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.02
 
 
-def connect_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
-    """A client connection to the job's store (hosted elsewhere)."""
-    return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+_FAST_POLL_S = 0.002
+
+
+def _backoff():
+    """Poll delays for the per-step commit: start at 0.2 ms (a store round trip is ~20 us on
+    loopback), grow to 2 ms. A fixed 20 ms poll cost ~10 % of a healthy step, and a backoff up to
+    20 ms still cost ~7 % with pipeline parallelism, where the last stage waits a whole backward for
+    the first and a late wake-up delays the next collective (benchmarks/healthy_overhead.py)."""
+    delay = 0.0002
+    while True:
+        yield delay
+        delay = min(_FAST_POLL_S, delay * 1.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,25 +91,28 @@ class Membership:
     """Store-backed liveness and agreement for one rank. Call `start()` once, `stop()` at exit.
 
     Args:
-        store: this rank's store client (used from the training thread).
-        host, port: where to open the heartbeat thread's own connection.
+        store: this rank's store client in the job's namespace (used from the training thread).
+        connect: opens another such connection, for the heartbeat thread.
         rank: this rank's global rank (stable across generations and restarts).
         heartbeat_interval_s, heartbeat_timeout_s, agree_timeout_s: see MeCeFOConfig.
+        whole: ranks -> the ranks among them whose replica is complete (Grid.whole). Generations and
+            admissions take whole replicas only; the default (tp = pp = 1) takes every rank.
     """
 
     def __init__(
         self,
         store: dist.Store,
-        host: str,
-        port: int,
+        connect: Callable[[], dist.Store],
         rank: int,
         *,
         heartbeat_interval_s: float,
         heartbeat_timeout_s: float,
         agree_timeout_s: float,
+        whole: Optional[Callable[[Iterable[int]], List[int]]] = None,
     ) -> None:
         self.store = store
-        self._host, self._port = host, port
+        self.whole = whole or (lambda ranks: sorted(ranks))
+        self._connect = connect
         self.rank = rank
         self.hb_interval = heartbeat_interval_s
         self.hb_timeout = heartbeat_timeout_s
@@ -107,6 +120,8 @@ class Membership:
         self._seen: Dict[int, tuple] = {}  # rank -> (last counter, local time it last changed)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._watch: Optional[int] = None
+        self._on_excluded: Optional[Callable[[int, list], None]] = None
 
     # -- heartbeats -------------------------------------------------------------------------------
 
@@ -121,12 +136,36 @@ class Membership:
             self._thread.join(timeout=2 * self.hb_interval + 1)
 
     def _beat(self) -> None:
-        store = connect_store(self._host, self._port, timedelta(seconds=max(10.0, self.hb_timeout)))
+        try:
+            store = self._connect()
+        except Exception:  # the store is gone already
+            return
         while not self._stop.wait(self.hb_interval):
             try:
                 store.add(f"hb/{self.rank}", 1)
+                if self._watch is not None:
+                    self._check_excluded(store)
             except Exception:  # the store is gone: the job is ending
                 return
+
+    def watch_exclusion(self, generation: Optional[int], on_excluded: Optional[Callable[[int, list], None]] = None) -> None:
+        """From the heartbeat thread, call `on_excluded(generation, members)` once a generation after
+        `generation` is agreed without this rank (None: stop watching). A rank stuck where no error
+        reaches it (a pipeline peer of a replica already retired) learns it this way."""
+        if on_excluded is not None:
+            self._on_excluded = on_excluded
+        self._watch = generation
+
+    def _check_excluded(self, store: dist.Store) -> None:
+        g = self._watch
+        while g is not None and store.check([f"gen{g + 1}/plan"]):
+            members = json.loads(store.get(f"gen{g + 1}/plan"))["members"]
+            if self.rank not in members:
+                self._watch = None
+                if self._on_excluded is not None:
+                    self._on_excluded(g + 1, members)
+                return
+            g += 1
 
     def alive(self, ranks: Iterable[int]) -> List[int]:
         """The ranks among `ranks` whose heartbeat moved within the last heartbeat_timeout_s.
@@ -184,10 +223,11 @@ class Membership:
             The agreed GenerationPlan; its members contain this rank.
 
         Candidates that have not checked in by agree_timeout_s are left out (a late starter then
-        rejoins like a restarted rank).
+        rejoins like a restarted rank); the lowest live rank that checked in then publishes at once.
 
         Raises:
-            AgreementTimeout: no plan within twice agree_timeout_s.
+            AgreementTimeout: still no plan 2 x heartbeat_timeout_s after agree_timeout_s (every rank
+                that could publish it died meanwhile).
             StateLost: every live candidate is without state and no other can bring it.
             JobAborted: another rank gave up meanwhile.
             NotAMember: the agreed list leaves this rank out (it was presumed failed).
@@ -201,10 +241,10 @@ class Membership:
             if self.store.check(["job/failed"]) or self.store.check(["job/finished"]):
                 self.check_job()
             now = time.monotonic()
-            if now > deadline + self.agree_timeout:
+            if now > deadline + 2 * self.hb_timeout:
                 raise AgreementTimeout(
                     f"[gen {generation} rank {self.rank}] no agreement on the survivors within "
-                    f"{2 * self.agree_timeout:.0f} s (mecefo.agree_timeout_s)"
+                    f"{self.agree_timeout:.0f} s (mecefo.agree_timeout_s) + 2 heartbeat timeouts"
                 )
             checked = {r: int(self.store.get(f"{prefix}/in/{r}")) for r in candidates
                        if self.store.check([f"{prefix}/in/{r}"])}
@@ -213,15 +253,25 @@ class Membership:
             voters = [r for r in sorted(checked) if r in live]
             # past the deadline, go on without ranks that never checked in (they may rejoin later)
             if (not pending or now > deadline) and voters and voters[0] == self.rank:
-                steps = [checked[r] for r in voters if checked[r] >= 0]
+                whole = self.whole(voters)  # a replica with a lost rank retires whole
+                steps = [checked[r] for r in whole if checked[r] >= 0]
                 if steps:
                     newest = max(steps)
-                    plan = {"members": voters, "joiners": [r for r in voters if checked[r] != newest], "step": newest}
+                    plan = {"members": whole, "joiners": [r for r in whole if checked[r] != newest], "step": newest}
                     self.store.compare_set(plan_key, "", json.dumps(plan))
+                elif any(checked[r] >= 0 for r in voters):  # the state lives on in broken replicas only
+                    self.store.compare_set(plan_key, "", json.dumps({"members": [], "joiners": [], "step": -1,
+                                                                    "voters": voters}))
                 elif not pending:  # nobody left who could bring the state
                     self.store.compare_set(plan_key, "", json.dumps({"lost": True, "members": voters}))
             time.sleep(_POLL_S)
         plan = json.loads(self.store.get(plan_key))
+        if not plan.get("lost") and not plan["members"]:
+            err = NoCoverAvailable(
+                f"[gen {generation} rank {self.rank}] every replica lost a rank: no whole replica is left to train "
+                f"(live ranks {plan['voters']})")
+            err.members = plan["voters"]
+            raise err
         if plan.get("lost"):
             raise StateLost(
                 f"[gen {generation} rank {self.rank}] no rank holding the training state is left: the live "
@@ -258,42 +308,54 @@ class Membership:
         """
         prefix = f"gen{generation}/step{step}"
         self.store.set(f"{prefix}/vote/{self.rank}", "1" if ok else "0")
-        if not ok:
+        if ok:
+            self.store.add(f"{prefix}/oks", 1)
+        else:
             self.store.compare_set(f"{prefix}/decision", "", json.dumps({"commit": False}))
         key = f"{prefix}/decision"
         deadline = time.monotonic() + self.agree_timeout
+        delays = _backoff()
+        decider, next_liveness = False, 0.0
         while not self.store.check([key]):
-            if time.monotonic() > deadline:  # the decider is stuck elsewhere: abort; the survivors re-agree
+            now = time.monotonic()
+            if now > deadline:  # the decider is stuck elsewhere: abort; the survivors re-agree
                 logger.warning("[gen %d rank %d step %d] no commit decision within %.0f s: aborting the step",
                                generation, self.rank, step, self.agree_timeout)
                 self.store.compare_set(key, "", json.dumps({"commit": False}))
                 break
-            if self.store.check(["job/failed"]):
-                self.check_job()
-            live = self.alive(members)
-            if live and live[0] == self.rank:  # the decider: lowest live member
-                votes = {r: self.store.get(f"{prefix}/vote/{r}").decode() for r in members
-                         if self.store.check([f"{prefix}/vote/{r}"])}
-                if any(v == "0" for v in votes.values()) or len(live) < len(members):
+            if now >= next_liveness:  # who decides, and is everyone alive: every _POLL_S, not every poll
+                next_liveness = now + _POLL_S
+                if self.store.check(["job/failed"]):
+                    self.check_job()
+                live = self.alive(members)
+                decider = bool(live) and live[0] == self.rank  # the lowest live member
+                if decider and len(live) < len(members):
                     self.store.compare_set(key, "", json.dumps({"commit": False}))
-                elif len(votes) == len(members):
-                    joiners = self.pending_joiners(members, world)
-                    decision = {"commit": True, "joiners": joiners}
-                    if joiners:
-                        decision["next_generation"] = generation + 1
-                        candidates = sorted(set(members) | set(joiners))
-                        self.store.set(f"gen{generation + 1}/candidates", ",".join(map(str, candidates)))
-                    if self.store.compare_set(key, "", json.dumps(decision)).decode() == json.dumps(decision):
-                        for j in joiners:
-                            self.store.set(f"joinee/{j}", str(generation + 1))
-            time.sleep(_POLL_S)
+                    continue
+            if decider and int(self.store.add(f"{prefix}/oks", 0)) >= len(members):
+                joiners = self.pending_joiners(members, world)
+                decision = {"commit": True, "joiners": joiners}
+                if joiners:
+                    decision["next_generation"] = generation + 1
+                    candidates = sorted(set(members) | set(joiners))
+                    self.store.set(f"gen{generation + 1}/candidates", ",".join(map(str, candidates)))
+                if self.store.compare_set(key, "", json.dumps(decision)).decode() == json.dumps(decision):
+                    for j in joiners:
+                        self.store.set(f"joinee/{j}", str(generation + 1))
+                continue
+            time.sleep(next(delays))
         d = json.loads(self.store.get(key))
         return Decision(d["commit"], tuple(d.get("joiners", ())), d.get("next_generation"))
 
     # -- joins ------------------------------------------------------------------------------------
 
     def pending_joiners(self, members: Sequence[int], world: int) -> List[int]:
-        """Restarted ranks that announced themselves and are not members."""
+        """Restarted ranks that announced themselves and are not members, by whole replicas: a
+        replica is admitted once all its ranks wait."""
+        waiting = self._waiting(members, world)
+        return sorted(set(self.whole(set(members) | set(waiting))) - set(members))
+
+    def _waiting(self, members: Sequence[int], world: int) -> List[int]:
         out = []
         for r in range(world):
             if r in members:
@@ -305,11 +367,38 @@ class Membership:
         return out
 
     def abort_step(self, generation: int, step: int) -> None:
-        """Decide abort for (generation, step) unless a decision exists: peers still in that step's
-        collective or commit stop waiting (a rank leaving a generation that did not form for it)."""
+        """Decide abort for (generation, step) unless a decision exists, and mark the generation as
+        not formed: peers waiting in `formed()` or already in that step's collective or commit stop
+        waiting (a rank leaving a generation that did not form for it)."""
+        self.store.compare_set(f"gen{generation}/formed", "", "no")
         self.store.compare_set(f"gen{generation}/step{step}/decision", "", json.dumps({"commit": False}))
 
-    def request_join(self, timeout_s: float) -> int:
+    def formed(self, generation: int, members: Sequence[int]) -> bool:
+        """Report that this member's data-parallel group of `generation` is built (and its joiners
+        hold the state); return whether the whole generation formed. One outcome for all members
+        (compare-and-set): with tensor or pipeline parallelism each position forms its own group,
+        and a position whose group failed must not leave the others training without it.
+        """
+        prefix = f"gen{generation}"
+        self.store.add(f"{prefix}/ready", 1)
+        key, deadline = f"{prefix}/formed", time.monotonic() + self.agree_timeout
+        delays, next_liveness = _backoff(), 0.0
+        while not self.store.check([key]):
+            now = time.monotonic()
+            if int(self.store.add(f"{prefix}/ready", 0)) >= len(members):
+                self.store.compare_set(key, "", "yes")
+            elif now > deadline:
+                self.store.compare_set(key, "", "no")
+            elif now >= next_liveness:
+                next_liveness = now + _POLL_S
+                self.check_job()
+                if len(self.alive(members)) < len(members):
+                    self.store.compare_set(key, "", "no")
+            else:
+                time.sleep(next(delays))
+        return self.store.get(key).decode() == "yes"
+
+    def request_join(self, deadline: float) -> int:
         """Announce this restarted rank; return the generation it is admitted to.
 
         Raises:
@@ -317,13 +406,12 @@ class Membership:
             JobAborted: the job gave up meanwhile.
             StateLost: no live rank of the newest generation holds the state (nobody can admit this
                 rank or send it the state); the job is marked failed.
-            JoinTimeout: not admitted within `timeout_s` (mecefo.join_timeout_s).
+            JoinTimeout: not admitted by `deadline` (time.monotonic(); the rank's start + join_timeout_s).
         """
         self.store.set(f"joinee/{self.rank}", "")
         self.store.delete_key(f"exited/{self.rank}")
         self._seen.clear()
         self.store.set(f"join/{self.rank}", "waiting")
-        deadline = time.monotonic() + timeout_s
         watch = OrphanWatch(self)
         while True:
             value = self.store.get(f"joinee/{self.rank}").decode()
@@ -332,7 +420,7 @@ class Membership:
                 return int(value)
             self.check_job()
             if time.monotonic() > deadline:
-                raise JoinTimeout(f"[rank {self.rank}] not admitted within {timeout_s:.0f} s (mecefo.join_timeout_s)")
+                raise JoinTimeout(f"[rank {self.rank}] not admitted within mecefo.join_timeout_s of its start")
             watch.check()
             time.sleep(_POLL_S * 5)
 

@@ -16,7 +16,11 @@ decides once for everybody: the optimizer step is taken by all members or by non
 bit-identical. A failed step is redone whole by the new generation. Restarted ranks are admitted at
 step boundaries and receive the training state from a member (`set_state_hooks`).
 
-Scope: data parallelism (tp = pp = 1) over gloo; the topology and fold already handle (tp, pp, dp).
+Tensor and pipeline parallelism: a replica is the T*P ranks of one data-parallel index (topology.py).
+Generations and admissions take whole replicas; there is one data-parallel group per (tp, pp)
+position, over that position's ranks of the live replicas, and a joiner receives the state of its
+own position. A rank whose replica lost a rank leaves the job (NotAMember); the launcher restarts it
+and the replica rejoins once all its ranks are back. The commit decision is one for the whole job.
 It knows ranks and micro-batches, not layers.
 """
 
@@ -35,11 +39,14 @@ import torch
 
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic import groups
+from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.elastic.fold import Fold, FoldPolicy, fold_neighbor
-from megatron_mecefo.elastic.inject import FaultInjector, failure_trace, trace_from_events
-from megatron_mecefo.elastic.membership import GenerationPlan, Membership, OrphanWatch, connect_store
+from megatron_mecefo.elastic.inject import FaultInjector, check_rules, job_trace
+from megatron_mecefo.elastic.membership import GenerationPlan, Membership, OrphanWatch
+from megatron_mecefo.elastic.replica import mark_started
 from megatron_mecefo.elastic.topology import CoverPlan, Grid, plan_cover
-from megatron_mecefo.errors import GaveUp, JobAborted, MeCeFOError, NoCoverAvailable, NotAMember
+from megatron_mecefo.errors import (RETIRED_EXIT_CODE, GaveUp, IncompleteStep, JobAborted, JobFinished, MeCeFOError,
+                                    NoCoverAvailable, NotAMember)
 from megatron_mecefo.log import EventLog, RankPrefix
 from megatron_mecefo.params import GradGroup, grad_group
 
@@ -75,8 +82,13 @@ class ElasticRuntime:
 
     Args:
         config: MeCeFOConfig (timeouts, approximation switches, injection, log_dir).
-        rank, world: this rank's global rank and the original world size.
+        rank, world: this rank's global rank and the original world size (T * P * D ranks).
+        tensor_parallel, pipeline_parallel: T and P; ranks in Megatron's order (topology.Grid).
         store_host, store_port: the job's store, hosted outside the training ranks.
+        job_id: the job's id from the launcher (MECEFO_JOB_ID); None: read from the store (under
+            another launcher, where rank 0's store daemon announces it).
+        max_restarts: how often the launcher restarts a failed rank (0: never; None: unknown); a
+            trace that needs more restarts is refused.
         micro_batches: k, micro-batches per replica per step (gradient accumulation).
         incarnation: 0 for the first start; > 0 for a restarted rank (it rejoins).
         fold_policy: (plan, k, approximate=, skip_attention=) -> Fold.
@@ -91,8 +103,12 @@ class ElasticRuntime:
         *,
         rank: int,
         world: int,
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
         store_host: str,
         store_port: int,
+        job_id: Optional[str] = None,
+        max_restarts: Optional[int] = None,
         micro_batches: int = 1,
         incarnation: int = 0,
         fold_policy: FoldPolicy = fold_neighbor,
@@ -102,7 +118,13 @@ class ElasticRuntime:
     ) -> None:
         self.cfg = config
         self.rank, self.world = rank, world
-        self.grid = Grid(dp=world)
+        check_rules(config.inject, world)  # bad input fails before the store is touched
+        self.max_restarts = max_restarts
+        if world % (tensor_parallel * pipeline_parallel):
+            raise ValueError(f"a world of {world} ranks is not divisible by tensor_parallel ({tensor_parallel}) x "
+                             f"pipeline_parallel ({pipeline_parallel})")
+        self.grid = Grid(tp=tensor_parallel, pp=pipeline_parallel, dp=world // (tensor_parallel * pipeline_parallel))
+        self.position = self.grid.position(rank)
         self.k = micro_batches
         self.incarnation = incarnation
         self.fold_policy = fold_policy
@@ -111,17 +133,23 @@ class ElasticRuntime:
         self.injector.on_soft_hang = self._soft_hang
         self.backend = backend
         self._timeout = timedelta(seconds=config.collective_timeout_s)
-        self.store = connect_store(store_host, store_port, timedelta(seconds=config.agree_timeout_s))
+        timeout = timedelta(seconds=config.agree_timeout_s)
+        self.store, self.job_id = job_store.attach(store_host, store_port, rank=rank, incarnation=incarnation,
+                                                   job_id=job_id, timeout=timeout)
+        hb_timeout = timedelta(seconds=max(10.0, config.heartbeat_timeout_s))
         self.membership = Membership(
-            self.store, store_host, store_port, rank,
+            self.store, lambda: job_store.job_store(job_store.client(store_host, store_port, hb_timeout), self.job_id), rank,
             heartbeat_interval_s=config.heartbeat_interval_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
             agree_timeout_s=config.agree_timeout_s,
+            whole=self.grid.whole,
         )
         self.generation = -1
         self.members: List[int] = []
         self.group = None
         self.step = 0
+        self._t_start = time.monotonic()
+        self._ran: Optional[int] = None  # micro-batches the members reported running this step
         self._error: Optional[BaseException] = None
         self._error_time: Optional[float] = None
         self._error_wall: Optional[float] = None  # wall clock of the first error, for the event log
@@ -156,14 +184,18 @@ class ElasticRuntime:
         self._save = save
 
     def set_trace(self, total_steps: int) -> None:
-        """Turn config.trace into kill rules for this job of `total_steps` (same on every rank)."""
+        """Turn config.trace into kill rules for this job of `total_steps` (same on every rank).
+
+        Raises:
+            ValueError: a replayed trace that cannot run as written (naming the event): a rank out of
+                range, a failure MeCeFO cannot absorb, more restarts than the launcher makes.
+        """
         if self.cfg.trace is None:
             return
-        t = self.cfg.trace
-        if "events" in t:
-            self.trace = trace_from_events(t["events"])
-        else:
-            self.trace = failure_trace(self.world, total_steps, t["mtbf_steps"], t["recovery_steps"], t["seed"])
+        if self.grid.tp * self.grid.pp > 1:
+            raise ValueError('mecefo "trace" needs tensor and pipeline parallel size 1 (use "inject" rules with '
+                             "tensor or pipeline parallelism)")
+        self.trace = job_trace(self.cfg.trace, self.world, total_steps, self.max_restarts)
         self.injector.add_trace(self.trace)
 
     def _wait_for_rejoin_step(self) -> None:
@@ -171,21 +203,30 @@ class ElasticRuntime:
         mine = [e for e in self.trace if e.rank == self.rank and e.incarnation == self.incarnation - 1]
         if not mine:
             return
-        deadline = time.monotonic() + self.cfg.join_timeout_s
+        deadline = self._t_start + self.cfg.join_timeout_s
         watch = OrphanWatch(self.membership)
         while int(self.store.add("job/progress", 0)) < mine[0].rejoin_step and time.monotonic() < deadline:
             self.membership.check_job()
             watch.check()
             time.sleep(0.1)
 
-    def start(self) -> int:
-        """Join the job. Returns the step to train next (0 unless this rank rejoins).
+    def start(self, step: int = 0) -> int:
+        """Join the job. Returns the step to train next.
+
+        Args:
+            step: the step whose state this rank holds (a first incarnation that loaded a checkpoint
+                of step N passes N; a restarted rank's argument is ignored: it takes the live state).
+                If the first incarnations disagree, the newest step wins and the others receive it.
 
         Raises:
             GaveUp: the job cannot go on (exit with GAVE_UP_EXIT_CODE).
             JobFinished: a restarted rank came back after training ended.
         """
-        return self._guarded(self._start)
+        if self.incarnation == 0:
+            self.step = step
+        step = self._guarded(self._start)
+        mark_started()
+        return step
 
     def _start(self) -> int:
         self.store.add("mecefo/world", 0)
@@ -201,7 +242,7 @@ class ElasticRuntime:
                 self.log.warning("not in the first generation; joining at the next step boundary")
         t0 = time.monotonic()
         self._wait_for_rejoin_step()
-        generation = self.membership.request_join(self.cfg.join_timeout_s)
+        generation = self.membership.request_join(self._t_start + self.cfg.join_timeout_s)
         self.injector.maybe_fire(int(self.store.add("job/progress", 0)), "join")
         candidates = [int(x) for x in self.store.get(f"gen{generation}/candidates").decode().split(",")]
         self._regroup(generation, candidates)
@@ -243,6 +284,7 @@ class ElasticRuntime:
             self._guarded(self._regroup, generation, candidates)
         self._error = None
         self._error_time = self._error_wall = None
+        self._ran = None
         self._t_step = time.monotonic()
 
     def plan(self) -> StepPlan:
@@ -263,11 +305,14 @@ class ElasticRuntime:
             self._error, self._error_time, self._error_wall = error, time.monotonic(), time.time()
             self.log.warning("peer failure detected: %s", str(error).splitlines()[0][:200])
 
-    def reduce_gradients(self, params: Iterable[torch.nn.Parameter], stats: Sequence[float] = ()) -> List[float]:
+    def reduce_gradients(self, params: Iterable[torch.nn.Parameter], stats: Sequence[float] = (),
+                         micro_batches: Optional[int] = None) -> List[float]:
         """All-reduce (SUM) the gradients of `params` over the members and apply MeCeFO's divisors.
 
         Every rank must have SUMMED the gradients of its micro-batches (no averaging). `stats` are
         summed along (e.g. loss sum, sample count) and returned; zeros if the step failed.
+        `micro_batches`: how many micro-batches this rank really ran this step; summed along, and
+        `commit()` refuses a step whose members did not run the whole global batch (dp x k).
         """
         params = [p for p in params if p.requires_grad]
         if self._error is not None:
@@ -275,8 +320,9 @@ class ElasticRuntime:
         self.injector.maybe_fire(self.step, "allreduce")
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         device = grads[0].device if grads else torch.device("cpu")
+        extra = list(stats) + ([float(micro_batches)] if micro_batches is not None else [])
         flat = torch.cat([g.detach().reshape(-1).float() for g in grads]
-                         + [torch.tensor(list(stats), dtype=torch.float32, device=device)])
+                         + [torch.tensor(extra, dtype=torch.float32, device=device)])
         try:
             groups.allreduce_sum_(self.group, flat, should_abort=self._step_aborted)
         except Exception as e:  # gloo: connection closed / timed out; or a peer gave up first
@@ -292,7 +338,10 @@ class ElasticRuntime:
                 scale = 1.0 / self._fold.divisor
             p.grad = (flat[offset:offset + n] * scale).view_as(p).to(p.dtype)
             offset += n
-        return flat[offset:].cpu().tolist()
+        out = flat[offset:].cpu().tolist()
+        if micro_batches is not None:
+            self._ran = int(round(out.pop()))
+        return out
 
     def _step_aborted(self) -> bool:
         return self.store.check([f"gen{self.generation}/step{self.step}/decision"])
@@ -309,7 +358,17 @@ class ElasticRuntime:
 
     def _commit(self, record: Dict[str, Any]) -> bool:
         ok = self._error is None
+        whole = self.grid.dp * self.k  # summed over my position's data-parallel group
+        if ok and self._ran is not None and self._ran != whole:
+            raise IncompleteStep(
+                f"[gen {self.generation} rank {self.rank} step {self.step}] the members ran {self._ran} of the "
+                f"{whole} micro-batches of the global batch: the step is not committed (the training loop must run "
+                "every micro-batch of plan().micro_batches)")
         decision = self.membership.decide(self.generation, self.step, self.members, ok, self.world)
+        if decision.commit and not ok:
+            raise IncompleteStep(
+                f"[gen {self.generation} rank {self.rank} step {self.step}] the step was decided commit although this "
+                "rank's gradient reduction failed: the store's decisions do not match this job; not committing")
         if decision.commit:
             if self.rank == min(self.members):
                 self.store.set("job/progress", str(self.step + 1))  # read by trace-restarted ranks
@@ -343,10 +402,10 @@ class ElasticRuntime:
                  t_start: Optional[float] = None) -> None:
         """Agree on, build and (with joiners) hand the state to the next generation.
 
-        A generation is usable only once its group is built and every joiner holds the state; if
-        either fails (a member died after the agreement, the donor died mid-transfer), its step is
-        aborted for anyone already past that point and the same candidates agree on the next
-        generation. Joiners still without state are joiners again there.
+        A generation is usable only once every member's group is built and every joiner holds the
+        state (one outcome for all members, `Membership.formed`); if either fails (a member died
+        after the agreement, the donor died mid-transfer), nobody trains in it and the same
+        candidates agree on the next generation. Joiners still without state are joiners again there.
         """
         t0 = t_start or time.monotonic()
         while True:
@@ -364,15 +423,24 @@ class ElasticRuntime:
                 err.members = list(plan.members)
                 raise err from None
             group, payload = None, None
+            peers = self._peers(plan.members)
             try:
-                group = groups.build_dp_group(self.store, generation, plan.members, self.rank, self._timeout, self.backend)
+                group = groups.build_dp_group(self.store, generation, peers, self.rank, self._timeout, self.backend,
+                                              tag=self._tag())
                 if plan.joiners:
-                    payload = self._transfer_state(group, plan)
+                    payload = self._transfer_state(group, plan, peers)
+                if not self.membership.formed(generation, plan.members):
+                    raise MeCeFOError("another member's group or state transfer failed")
+            except (JobAborted, JobFinished):
+                groups.destroy_group(group)
+                raise
             except Exception as e:  # a member died after the agreement or during the transfer
                 groups.destroy_group(group)
                 self.membership.abort_step(generation, plan.step)
                 self.log.warning("generation %d could not form (%s); agreeing again", generation,
                                  str(e).splitlines()[0][:120])
+                self.events.write("regroup_failed", generation=generation, step=plan.step, members=list(plan.members),
+                                  joiners=list(plan.joiners), reason=str(e).splitlines()[0][:200])
                 generation, candidates = generation + 1, plan.members
                 continue
             break
@@ -394,15 +462,38 @@ class ElasticRuntime:
         )
         if generation > 0:
             self.log.warning("generation %d: members %s, cover %s", generation, self.members, cover.cover or "none")
+        if self.grid.tp * self.grid.pp > 1:
+            self.membership.watch_exclusion(generation, self._excluded)
+
+    def _peers(self, members: Sequence[int]) -> List[int]:
+        """The members at this rank's (tp, pp) position: its data-parallel group."""
+        return [r for r in members if self.grid.position(r) == self.position]
+
+    def _tag(self) -> str:
+        tp_rank, pp_rank = self.position
+        return f"t{tp_rank}p{pp_rank}"
+
+    def _excluded(self, generation: int, members: list) -> None:
+        """Heartbeat thread: a later generation was agreed without this rank (its replica lost a rank,
+        or it was presumed failed). Whatever this rank waits on now may never return: leave at once;
+        the launcher restarts it and the replica rejoins whole."""
+        import sys
+
+        msg = (f"[mecefo] rank {self.rank}: generation {generation} was agreed without this rank (members "
+               f"{members}): its replica is out of the job; leaving so the launcher restarts it")
+        print(msg, file=sys.stderr, flush=True)
+        self.events.write("retired", generation=generation, members=members)
+        os._exit(0 if self.injector.soft else RETIRED_EXIT_CODE)
 
     def _approximations_on(self) -> bool:
         c = self.cfg
         return c.enable and (c.skip_attention or c.lowrank_ffn or c.recompute_ffn == "always")
 
-    def _transfer_state(self, group, plan: GenerationPlan) -> Optional[bytes]:
-        """The lowest state holder broadcasts the training state; returns the bytes on joiners."""
-        donor = min(plan.holders)
-        root = groups.dense_rank(plan.members, donor)
+    def _transfer_state(self, group, plan: GenerationPlan, peers: Sequence[int]) -> Optional[bytes]:
+        """The lowest state holder at this position broadcasts its training state (its shard) over
+        the position's group; returns the bytes on joiners."""
+        donor = min(r for r in plan.holders if r in peers)
+        root = groups.dense_rank(peers, donor)
         if self.rank == donor:
             buf = io.BytesIO()
             torch.save({"step": self.step, "user": self._get_state() if self._get_state else None}, buf)
@@ -418,7 +509,7 @@ class ElasticRuntime:
         return payload.numpy().tobytes() if self.rank in plan.joiners else None
 
     def _load_state(self, payload: bytes, step: int) -> None:
-        state = torch.load(io.BytesIO(payload), weights_only=False)
+        state = torch.load(io.BytesIO(payload), weights_only=True)  # tensors and plain containers only
         if state["step"] != step:
             raise MeCeFOError(f"[rank {self.rank}] received the state of step {state['step']}, expected {step}")
         if state["user"] is not None:
@@ -438,14 +529,21 @@ class ElasticRuntime:
 
     def _give_up(self, error: GaveUp) -> None:
         """End this rank's part in a job that cannot go on: the first state holder to get here
-        writes a checkpoint of the last committed step, then every rank learns it from the store."""
+        writes a checkpoint of the last committed step (every rank of its replica writes its shard),
+        then every rank learns it from the store."""
         reason = str(error).splitlines()[0]
         if not isinstance(error, JobAborted):
             self.log.error("giving up: %s", reason)
         ckpt = None
         try:
-            if self._has_state and self._save is not None and \
-                    self.store.compare_set("job/checkpoint_writer", "", str(self.rank)).decode() == str(self.rank):
+            replica = str(self.grid.replica_of(self.rank))  # all of its ranks write their shards
+            survivors = getattr(error, "members", None)
+            whole = self.grid.tp * self.grid.pp == 1 or survivors is None or \
+                self.grid.replica_of(self.rank) in self.grid.live_replicas(survivors)
+            if not whole:  # a broken replica holds only some shards: no checkpoint from it
+                self.log.error("no checkpoint from this rank: its replica lost a rank")
+            elif self._has_state and self._save is not None and \
+                    self.store.compare_set("job/checkpoint_writer", "", replica).decode() == replica:
                 ckpt = self._save()
                 self.store.set("job/checkpoint", json.dumps({"path": ckpt, "step": self.step, "rank": self.rank}))
                 self.log.error("checkpoint of step %d written to %s", self.step, ckpt)
@@ -459,6 +557,7 @@ class ElasticRuntime:
         self.events.write("gave_up", kind=type(error).__name__, reason=reason, generation=self.generation,
                           step=self.step, members=getattr(error, "members", list(self.members)),
                           has_state=self._has_state, checkpoint=ckpt)
+        self.membership.watch_exclusion(None)
         self.close(finished=False)
 
     # -- checkpointable state ---------------------------------------------------------------------

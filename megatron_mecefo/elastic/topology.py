@@ -58,6 +58,17 @@ class Grid:
     def ranks_of_replica(self, replica: int) -> List[int]:
         return sorted(self.rank(t, p, replica) for t in range(self.tp) for p in range(self.pp))
 
+    def position(self, rank: int) -> Tuple[int, int]:
+        """(tp_rank, pp_rank): which shard of the model a rank holds; one data-parallel group each."""
+        tp_rank, pp_rank, _ = self.coords(rank)
+        return tp_rank, pp_rank
+
+    def whole(self, ranks: Iterable[int]) -> List[int]:
+        """The ranks among `ranks` whose replica is complete in `ranks` (sorted)."""
+        ranks = set(ranks)
+        live = set(self.live_replicas(ranks))
+        return sorted(r for r in ranks if 0 <= r < self.world and self.replica_of(r) in live)
+
     def live_replicas(self, live_ranks: Iterable[int]) -> List[int]:
         """Replicas all of whose ranks are live."""
         live = set(live_ranks)

@@ -1,6 +1,6 @@
 """Run Megatron-Core on a machine without CUDA (CI, laptops): three documented redirections.
 
-megatron-core 0.16 assumes CUDA in four places that a CPU/gloo run reaches:
+megatron-core 0.16 assumes CUDA in five places that a CPU/gloo run reaches:
 
 1. `torch.cuda.current_device()` is used as a device for buffers (rotary embeddings, attention's
    global memory buffer, tensor-parallel gathers) -> return the CPU device.
@@ -9,6 +9,8 @@ megatron-core 0.16 assumes CUDA in four places that a CPU/gloo run reaches:
 3. `torch.cuda.synchronize()` is called by dist_checkpointing -> no-op.
 4. The default causal mask (used when `attention_mask=None`) is built with `device="cuda"` -> the
    same mask on CPU.
+5. The pipeline schedules allocate their token counter with `device="cuda"` -> the schedules
+   module sees a `torch` whose `zeros` puts "cuda" tensors on the CPU (everything else is torch's).
 
 `enable_cpu_support()` applies them only when CUDA is absent and is idempotent; on a GPU machine it
 does nothing, so calling it unconditionally is safe. It does not make fused kernels, sequence
@@ -41,6 +43,17 @@ def _noop_synchronize(device=None) -> None:
 @functools.lru_cache()
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
+class _CPUTorch:
+    """`torch` for megatron.core.pipeline_parallel.schedules, with zeros(device="cuda") on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
 def _tracker_base():
@@ -82,6 +95,7 @@ def enable_cpu_support() -> bool:
     if _ENABLED:
         return True
     from megatron.core.fusions import fused_softmax
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import utils as mcore_utils
 
@@ -91,6 +105,7 @@ def enable_cpu_support() -> bool:
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mcore_utils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+    schedules.torch = _CPUTorch()
     _ENABLED = True
     logger.info("megatron_mecefo: CUDA absent; Megatron-Core redirected to CPU")
     return True

@@ -23,13 +23,19 @@ from megatron_mecefo.layers.specs import get_gpt_layer_mecefo_spec
 __all__ = ["init_model_parallel", "llama_config", "build_gpt"]
 
 
-def init_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 0) -> None:
+def init_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 0,
+                        timeout_s: float = 1800.0) -> None:
     """Megatron's parallel_state + RNG trackers over the already initialised torch.distributed world.
 
-    Call on every rank, once, after `torch.distributed.init_process_group`.
+    Call on every rank, once, after `torch.distributed.init_process_group`. `timeout_s` bounds each
+    collective of the tensor- and pipeline-parallel groups (how long a hung peer can stall one).
     """
     enable_cpu_support()
-    parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
+    import torch.distributed as dist
+
+    dist.barrier()  # arrive together: creating each group waits at most timeout_s for the others
+    parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel,
+                                             distributed_timeout_minutes=timeout_s / 60.0)
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -68,10 +74,11 @@ def llama_config(
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size()
-        if parallel_state.model_parallel_is_initialized()
-        else 1,
     )
+    if parallel_state.model_parallel_is_initialized():
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        kwargs.update(tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+                      pipeline_model_parallel_size=pp, pipeline_dtype=dtype if pp > 1 else None)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -85,7 +92,9 @@ def build_gpt(
     seed: int = 0,
     position_embedding_type: str = "rope",
 ) -> GPTModel:
-    """A GPTModel with `spec` (default: the MeCeFO spec for config.normalization), seeded."""
+    """A GPTModel with `spec` (default: the MeCeFO spec for config.normalization), seeded. With
+    pipeline parallelism, this rank's stage (its layers; the embedding on the first, the output
+    layer and loss on the last)."""
     if spec is None:
         spec = get_gpt_layer_mecefo_spec(normalization=config.normalization)
     torch.manual_seed(seed)  # CPU initialisation draws from the default generator
@@ -95,6 +104,8 @@ def build_gpt(
         vocab_size=vocab_size,
         max_sequence_length=seq_length,
         position_embedding_type=position_embedding_type,
+        pre_process=parallel_state.is_pipeline_first_stage() if parallel_state.model_parallel_is_initialized() else True,
+        post_process=parallel_state.is_pipeline_last_stage() if parallel_state.model_parallel_is_initialized() else True,
     )
     if torch.cuda.is_available():
         model = model.cuda()

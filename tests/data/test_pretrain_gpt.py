@@ -116,16 +116,68 @@ def test_trains_on_data_of_another_tokenizer_with_the_null_tokenizer(tmp_path):
         (["--mecefo", "--mecefo-rank", "64"], "mecefo.rank=64 is out of range for FFN weight"),
         (["--tokenizer-type", "NullTokenizer"], "needs --vocab-size >= 1"),
         (["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"], "needs --data-path"),
+        (["--deepspeed_config", str(ROOT / "examples/pretrain_gpt/ds_config.json"), "--clip-grad", "0.5"],
+         '--clip-grad 0.5 conflicts with ds_config "gradient_clipping"=1.0'),
+        (["--deepspeed_config", "LR", "--lr", "1e-3"], '--lr 0.001 conflicts with ds_config "optimizer.params.lr"=0.0005'),
     ],
 )
 def test_bad_input_stops_before_training(tmp_path, extra, message):
-    if "ZERO1" in extra:
-        cfg = tmp_path / "ds.json"
-        cfg.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
-        extra = [str(cfg) if x == "ZERO1" else x for x in extra]
+    for name, cfg in (("ZERO1", {"zero_optimization": {"stage": 1}}), ("LR", {"optimizer": {"type": "AdamW", "params": {"lr": 5e-4}}})):
+        if name in extra:
+            (tmp_path / "ds.json").write_text(json.dumps(cfg))
+            extra = [str(tmp_path / "ds.json") if x == name else x for x in extra]
     proc = pretrain(tmp_path, 1, "--train-iters", "5", *extra, expect=2)
     assert message in proc.stderr
     assert "iteration" not in proc.stdout
+
+
+def test_ds_config_values_hold_when_no_flag_sets_them():
+    """--clip-grad / --bf16 / --lr used to be overwritten or ignored: now a flag and ds_config agree,
+    or one of them alone decides."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "examples/pretrain_gpt"))
+    from pretrain_gpt import ds_config_for, parse_args
+
+    args = parse_args(["--deepspeed_config", str(ROOT / "examples/pretrain_gpt/ds_config.json")])
+    cfg = ds_config_for(args, 2)
+    assert cfg["gradient_clipping"] == 1.0 and args.clip_grad == 1.0 and args.micro_batch_size == 4
+    assert cfg["optimizer"]["params"]["lr"] == 1e-3 and not args.bf16
+    args = argparse.Namespace(**{**vars(parse_args([])), "deepspeed_config": None, "clip_grad": 0.3, "bf16": True})
+    cfg = ds_config_for(args, 2)
+    assert cfg["gradient_clipping"] == 0.3 and cfg["bf16"] == {"enabled": True}
+    args = parse_args([])
+    args.deepspeed_config = None
+    import json as _json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        _json.dump({"bf16": {"enabled": True}, "gradient_clipping": 0.25, "train_micro_batch_size_per_gpu": 3}, f)
+    args.deepspeed_config = f.name
+    cfg = ds_config_for(args, 2)
+    assert args.bf16 is True and args.clip_grad == 0.25 and args.micro_batch_size == 3  # ds_config decides
+    assert cfg["train_batch_size"] == 6
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--mecefo-trace", '{"events": [[0, 3, 10], [1, 5, 10]]}'], "event [1, 5, 10]: at step 5 ranks [0, 1] are down"),
+        (["--mecefo-trace", '{"events": [[2, 3, 10]]}'], "event [2, 3, 10]: rank 2 is not a rank of this job"),
+        (["--mecefo-trace", '{"events": [[0, 2, 4], [0, 7, 9]]}'], "at most 1 times (mecefo-launch --max-restarts)"),
+        (["--mecefo-inject", "kill:9:5"], "names rank 9, but the job has 2 ranks"),
+    ],
+)
+def test_failures_that_cannot_run_stop_before_training(tmp_path, extra, message):
+    """Before: an unabsorbable trace hung for twice join_timeout_s, an out-of-range rule never fired.
+    Now every rank exits 2 naming the event, and mecefo-launch restarts nobody."""
+    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", "2", "--master-port", "0",
+           "--restart-failed-after", "1", "--max-restarts", "1",
+           str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"), *SMALL, "--train-iters", "20", "--mecefo", *extra]
+    proc = run_launcher(cmd, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert message in proc.stderr
+    assert "iteration" not in proc.stdout and "incarnation 1" not in proc.stderr
 
 
 @pytest.mark.fault

@@ -30,25 +30,35 @@ def iterations(out):
     return [int(m) for m in re.findall(r"iteration\s+(\d+)/", out)]
 
 
-def test_restarted_rank_caught_in_a_recovery(tmp_path):
-    """The issue's reproducer: rank 0 killed at 30 and restarted; rank 2 hangs at 60 while rank 0
-    waits to be admitted; rank 3 is killed during the recovery. Rank 1 keeps the job alive, rank 0
-    is admitted only with the state, and every step is whole and bit-identical across replicas."""
-    faults = (Fault("kill", 0, 30, "optimizer"), Fault("hang", 2, 60, "allreduce"), Fault("kill", 3, 61, "recovery"))
-    schedule = Schedule(0, 4, 120, faults, 2.0)
-    proc = launch(tmp_path, ["--restart-failed-after", "2"], "--train-iters", "120", "--eval-interval", "120",
-                  "--log-interval", "20", *schedule.flags())
+def finishes(tmp_path, schedule, restart_after):
+    """Run `schedule` to the end; the chaos invariants hold and every iteration ran."""
+    proc = launch(tmp_path, ["--restart-failed-after", str(restart_after)], "--train-iters", str(schedule.steps),
+                  "--eval-interval", str(schedule.steps), "--log-interval", "20", *schedule.flags())
     result = chaos.RunResult(proc.returncode, 0.0, proc.stdout, proc.stderr)
     outcome, bad = chaos.check_run(result, tmp_path, schedule, k=2, bound_s=1e9)
     assert not bad, "\n".join(bad) + proc.stderr[-4000:]
     assert outcome == "finished" and proc.returncode == 0
-    assert iterations(proc.stdout)[-1] == 120 and "validation loss at iteration 120" in proc.stdout
-    assert "rank 3: kill at step 61 (recovery)" in proc.stderr, "rank 3 died in the generation admitting rank 0"
+    assert iterations(proc.stdout)[-1] == schedule.steps
+    return proc
+
+
+def test_restarted_rank_caught_in_a_recovery(tmp_path):
+    """The issue's reproducer, made independent of timing: rank 0 killed at 8 and restarted; rank 2
+    hangs right after the commit that decides to admit rank 0 (so the admission must first agree
+    without it); rank 3 is killed in the middle of handing rank 0 the state. Rank 1 keeps the job
+    alive, rank 0 is admitted only with the state, and every step is whole and bit-identical."""
+    faults = (Fault("kill", 0, 8, "optimizer"), Fault("hang", 2, "*", "admit"), Fault("kill", 3, "*", "transfer"))
+    proc = finishes(tmp_path, Schedule(0, 4, 300, faults, 1.0), restart_after=1)
+    assert "validation loss at iteration 300" in proc.stdout
+    hang = re.search(r"rank 2: hang at step (\d+) \(admit\)", proc.stderr)
+    kill = re.search(r"rank 3: kill at step (\d+) \(transfer\)", proc.stderr)
+    assert hang and kill, "rank 2 hung when rank 0's admission was decided; rank 3 died handing it the state"
+    assert int(kill.group(1)) == int(hang.group(1)) + 1, "both in the generation admitting rank 0"
     # every regroup that brought rank 0 back handed it the state of the step it then trained
     joins = [e for e in chaos.events(tmp_path, 4, "regroup") if 0 in e["joiners"]]
-    assert joins and all(e["step"] > 30 for e in joins)
+    assert joins and all(e["step"] > 8 for e in joins)
     first_after = min(r["step"] for r in (json.loads(l) for l in (tmp_path / "steps_rank0.jsonl").read_text().splitlines())
-                      if r["step"] > 30)
+                      if r["step"] > 8)
     assert first_after == joins[-1]["step"]
 
 
@@ -73,3 +83,15 @@ def test_last_survivor_gives_up_with_a_checkpoint_that_resumes(tmp_path):
                      "--load", str(save))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert iterations(resumed.stdout) == [21, 22, 23, 24, 25]
+
+
+def test_donor_killed_during_a_state_transfer(tmp_path):
+    """Rank 1 is killed and restarted; when the survivors admit it, the donor (rank 0, the lowest
+    state holder) is killed in the middle of sending it the state. The receivers form the next
+    generation (rank 2 sends the state instead), rank 0 comes back too, and every step is whole."""
+    faults = (Fault("kill", 1, 8, "backward"), Fault("kill", 0, "*", "transfer"))
+    proc = finishes(tmp_path, Schedule(0, 4, 300, faults, 1.0), restart_after=1)
+    assert re.search(r"rank 0: kill at step \d+ \(transfer\)", proc.stderr), "the donor died mid-transfer"
+    regroups = chaos.events(tmp_path, 4, "regroup")
+    received = [e for e in regroups if 1 in e["joiners"] and 0 not in e["members"]]
+    assert received, "rank 1 received the state in a generation without the dead donor"

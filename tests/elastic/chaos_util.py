@@ -85,10 +85,12 @@ PRETRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
 
 
 def run_pretrain(schedule: chaos.Schedule, out: Path, *, fault_free_s: float = 60.0) -> tuple:
-    """Run one schedule on examples/pretrain_gpt (4 ranks, 2 micro-batches per replica)."""
-    k = 16 // (2 * schedule.world)
+    """Run one schedule on examples/pretrain_gpt (global batch 16 in micro-batches of 2), on the
+    schedule's layout (T = schedule.tp, P = schedule.pp)."""
+    k = 16 // (2 * schedule.grid.dp)
     script = [str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"), "--deepspeed_config",
               str(ROOT / "examples/pretrain_gpt/ds_config.json"), *PRETRAIN, "--train-iters", str(schedule.steps),
+              "--tensor-model-parallel-size", str(schedule.tp), "--pipeline-model-parallel-size", str(schedule.pp),
               "--eval-interval", str(schedule.steps), "--save", str(out / "ckpt"), "--mecefo-log-dir", str(out),
               *timeout_flags(PRETRAIN_TIMEOUTS)]
     bound = chaos.time_bound(faults=len(schedule.faults), restart_after=schedule.restart_after, startup_s=15.0,

@@ -173,8 +173,10 @@ def test_compound_schedule(tmp_path, toy_references, name):
         assert [e["step"] for e in rejoined] == [13], "rank 0 got the state of step 13 before it trained"
     elif name in ("donor_dies_mid_transfer", "joiner_dies_mid_transfer", "member_dies_mid_transfer"):
         assert outcome == "finished" and fired == 2
-        regroups = chaos.events(tmp_path, schedule.world, "regroup")
-        assert any(e["joiners"] for e in regroups)
+        # an admission was under way when the fault struck (a generation that did not form is logged
+        # as regroup_failed: with it, no member trains in a generation one position could not form)
+        attempts = chaos.events(tmp_path, schedule.world, "regroup") + chaos.events(tmp_path, schedule.world, "regroup_failed")
+        assert any(e["joiners"] for e in attempts)
     elif name == "last_survivor_gives_up":
         assert outcome == "gave_up"
         (ckpt,) = [e for e in chaos.events(tmp_path, 4, "gave_up") if e["checkpoint"]]

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.elastic import toy_train
-from tests.helpers import run_launcher
+from tests.helpers import run_launcher, two_nodes_lose_one
 
 pytestmark = [pytest.mark.dist, pytest.mark.fault]
 
@@ -195,3 +195,26 @@ def test_a_late_starter_joins_instead_of_blocking_the_start(tmp_path, references
     assert sorted(r["rank"] for r in records[0]) == [0, 1]
     assert records[0][0]["cover"] == {"2": 0}
     assert sorted(r["rank"] for r in records[STEPS - 1]) == [0, 1, 2]
+
+
+def test_a_step_without_the_whole_global_batch_is_never_committed(tmp_path, references):
+    """A loop that leaves out a micro-batch: the step is refused (IncompleteStep), not committed with
+    fewer samples; the job ends with exit 3 and a checkpoint of the last whole step."""
+    proc, _ = launch(tmp_path, 3, "--skip-micro-batch", "1:4")
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "the members ran 5 of the 6 micro-batches of the global batch" in proc.stderr
+    assert sorted(step_records(tmp_path, 3)) == [0, 1, 2, 3]
+    ckpt = [p for p in tmp_path.glob("checkpoint_rank*.pt")]
+    assert len(ckpt) == 1 and torch.load(ckpt[0], weights_only=False)["step"] == 4
+
+
+def test_two_launchers_over_loopback_survive_the_loss_of_node_0(tmp_path, references):
+    """A head-node store (`mecefo-store`) and two launchers with --external-store, 2 ranks each.
+    Node 0's launcher is SIGKILLed mid-run: its ranks die with it (PR_SET_PDEATHSIG), the store
+    lives on, and node 1's ranks cover both lost replicas and finish on the whole global batch."""
+    store, survivor = two_nodes_lose_one(
+        tmp_path, [ROOT / "tests/elastic/toy_train.py", "--out", tmp_path, "--steps", STEPS, "--k", K, "--mb", MB,
+                   "--step-sleep", "0.3", *EXACT, *FAST], victim_node=0)
+    records = check_run(tmp_path, 4, [2, 3], references[4], survivor)
+    assert records[STEPS - 1][0]["cover"] == {"0": 2, "1": 3}
+    assert store.wait(timeout=30) == 0, "the store ends with its job"

@@ -9,7 +9,9 @@ import pytest
 import torch.distributed as dist
 
 from megatron_mecefo.elastic.membership import Membership
-from megatron_mecefo.errors import JobAborted, StateLost
+from megatron_mecefo.elastic.replica import replica_round
+from megatron_mecefo.elastic.topology import Grid
+from megatron_mecefo.errors import JobAborted, NoCoverAvailable, NotAMember, StateLost
 
 pytestmark = pytest.mark.dist
 
@@ -20,17 +22,18 @@ def store():
 
 
 def member(store, rank, **kw):
-    return Membership(store, "127.0.0.1", store.port, rank, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5,
-                      agree_timeout_s=kw.get("agree_timeout_s", 5.0))
+    connect = lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)  # noqa: E731
+    return Membership(store, connect, rank, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5,
+                      agree_timeout_s=kw.get("agree_timeout_s", 5.0), whole=kw.get("whole"))
 
 
-def agree_all(store, generation, steps):
+def agree_all(store, generation, steps, whole=None, candidates=None):
     """Each rank of `steps` (rank -> step or None) agrees in its own thread."""
     out = {}
 
     def run(r):
         try:
-            out[r] = member(store, r).agree(generation, sorted(steps), steps[r])
+            out[r] = member(store, r, whole=whole).agree(generation, sorted(candidates or steps), steps[r])
         except Exception as e:  # noqa: BLE001 - the test inspects it
             out[r] = e
 
@@ -49,6 +52,61 @@ def test_a_rank_without_state_joins_as_a_joiner_of_the_newest_step(store):
     assert plans[0].holders == (1, 2)
 
 
+def test_a_replica_that_lost_a_rank_is_left_out_whole(store):
+    """T=2, D=2: rank 2 (replica 1) crashed; rank 3, alive, is not a member either (NotAMember), and
+    the plan holds whole replica 0 only."""
+    grid = Grid(tp=2, dp=2)
+    store.set("exited/2", "1")
+    out = agree_all(store, 1, {0: 7, 1: 7, 3: 7}, whole=grid.whole, candidates=[0, 1, 2, 3])
+    assert (out[0].members, out[1].members) == ((0, 1), (0, 1))
+    assert isinstance(out[3], NotAMember)
+
+
+def test_every_replica_broken_gives_up_for_no_cover(store):
+    grid = Grid(tp=2, dp=2)
+    for r in (1, 2):
+        store.set(f"exited/{r}", "1")
+    out = agree_all(store, 1, {0: 7, 3: 7}, whole=grid.whole, candidates=[0, 1, 2, 3])
+    assert all(isinstance(e, NoCoverAvailable) for e in out.values())
+
+
+def test_a_restarted_replica_is_admitted_only_when_all_its_ranks_wait(store):
+    m = member(store, 0, whole=Grid(tp=2, dp=2).whole)
+    store.set("join/2", "waiting")
+    assert m.pending_joiners([0, 1], 4) == []
+    store.set("join/3", "waiting")
+    assert m.pending_joiners([0, 1], 4) == [2, 3]
+
+
+def test_replica_rounds_skip_stale_and_dead_slots(store):
+    """Replica 0 (2 ranks) formed round 0. Rank 1 was restarted (incarnation 1: round 0 is stale for
+    it, it claims round 1) and died again before rank 0 came back. Rank 0's new incarnation must not
+    form a group with that dead claim: both later arrivals meet in round 2."""
+    prefix = dist.PrefixStore("job", store)
+    rounds = {}
+
+    def start(local, inc):
+        rounds[(local, inc)] = replica_round(prefix, replica=0, local_rank=local, size=2, incarnation=inc, rank=local,
+                                             timeout_s=10, poll_s=0.01)
+
+    def together(*arrivals):
+        threads = [threading.Thread(target=start, args=a) for a in arrivals]
+        [t.start() for t in threads]
+        [t.join(15) for t in threads]
+
+    together((0, 0), (1, 0))
+    assert int(prefix.get("replica0/round")) == 0
+    # incarnation 1 of rank 1, as it would have left the store: moved to round 1, claimed, then died
+    prefix.set("replica0/round", "1")
+    prefix.set("replica0/round1/slot/1", "1:1")
+    prefix.add("replica0/round1/count", 1)
+    prefix.set("exited/1/1", "1")
+    together((0, 1), (1, 2))
+    assert int(prefix.get("replica0/round")) == 2
+    assert set(rounds) == {(0, 0), (1, 0), (0, 1), (1, 2)}
+    assert prefix.get("replica0/round2/slot/0") == b"1:0" and prefix.get("replica0/round2/slot/1") == b"2:1"
+
+
 def test_only_ranks_without_state_left_is_state_lost(store):
     store.set("exited/1", "1")  # the only holder crashed
     out = agree_all(store, 2, {0: None, 2: None, 1: 40})
@@ -63,7 +121,7 @@ def test_a_waiting_joiner_ends_the_job_when_no_holder_is_alive(store):
     store.set("exited/1", "1")
     t0 = time.monotonic()
     with pytest.raises(StateLost, match=r"generation 1 had members \[1\]"):
-        member(store, 0).request_join(timeout_s=30)
+        member(store, 0).request_join(time.monotonic() + 30)
     assert time.monotonic() - t0 < 5
     assert "no rank holding the training state" in json.loads(store.get("job/failed"))["reason"]
     with pytest.raises(JobAborted, match="the job gave up"):  # everybody else learns it
@@ -81,7 +139,7 @@ def test_a_waiting_joiner_keeps_waiting_while_a_holder_lives(store):
     threading.Thread(target=beat, daemon=True).start()
     threading.Timer(2.0, lambda: store.set("joinee/0", "5")).start()
     try:
-        assert member(store, 0).request_join(timeout_s=30) == 5
+        assert member(store, 0).request_join(time.monotonic() + 30) == 5
     finally:
         stop.set()
 

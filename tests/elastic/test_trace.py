@@ -53,3 +53,50 @@ def test_trace_from_events_numbers_incarnations_per_rank():
     assert trace_from_events([[1, 12, 20], [1, 5, 9], [2, 6, 10]]) == [
         TraceEvent(1, 5, 9, 0), TraceEvent(2, 6, 10, 0), TraceEvent(1, 12, 20, 1),
     ]
+
+
+def test_check_trace_rejects_what_cannot_run():
+    from megatron_mecefo.elastic.inject import check_trace, trace_from_events
+
+    def check(events, world=2, steps=100, restarts=3):
+        check_trace(trace_from_events(events), world, steps, restarts)
+
+    check([[0, 3, 10], [1, 20, 30]])
+    with pytest.raises(ValueError, match=r"event \[1, 5, 10\]: at step 5 ranks \[0, 1\] are down"):
+        check([[0, 3, 10], [1, 5, 10]])  # the issue's example: nobody left to cover
+    with pytest.raises(ValueError, match=r"event \[2, 3, 10\]: rank 2 is not a rank of this job"):
+        check([[2, 3, 10]])
+    with pytest.raises(ValueError, match="rank 0 is still down"):
+        check([[0, 3, 10], [0, 8, 12]])
+    with pytest.raises(ValueError, match=r"restarted 2 times by then, but the launcher restarts a rank at most 1"):
+        check([[0, 3, 5], [0, 10, 12]], restarts=1)
+    with pytest.raises(ValueError, match="no restarts: use mecefo-launch --restart-failed-after"):
+        check([[0, 3, 5]], restarts=0)
+    check([[0, 3, 500]], restarts=0)  # down to the end: needs no restart
+
+
+def test_generated_traces_fit_the_restart_budget():
+    """The paper's high scenario over 1000 steps on 4 ranks needs far more than 3 restarts per rank;
+    with the launcher's budget the generated trace keeps what can run (and passes check_trace)."""
+    from megatron_mecefo.elastic.inject import check_trace, job_trace
+
+    trace = {"mtbf_steps": 10.0, "recovery_steps": 40, "seed": 0}
+    unlimited = job_trace(trace, 4, 1000, None)
+    assert max(sum(e.rank == r for e in unlimited) for r in range(4)) > 3
+    budget = job_trace(trace, 4, 1000, 3)
+    check_trace(budget, 4, 1000, 3)
+    assert all(sum(e.rank == r and e.rejoin_step < 1000 for e in budget) <= 3 for r in range(4))
+    assert budget and len(budget) < len(unlimited)
+    none = job_trace(trace, 4, 1000, 0)  # a launcher that restarts nobody: failures are permanent
+    check_trace(none, 4, 1000, 0)
+    assert none and all(e.rejoin_step >= 1000 for e in none)
+
+
+def test_inject_rules_must_name_ranks_of_the_job():
+    from megatron_mecefo.config import MeCeFOConfig
+    from megatron_mecefo.elastic.inject import check_rules
+
+    cfg = MeCeFOConfig(inject=["kill:9:5", "kill:1:5"])
+    check_rules(cfg.inject[1:], 4)
+    with pytest.raises(ValueError, match=r"kill:9:5:backward names rank 9, but the job has 4 ranks"):
+        check_rules(cfg.inject, 4)

@@ -57,6 +57,8 @@ def parse():
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of fake compute per micro-batch")
     p.add_argument("--late-rank", type=int, default=-1, help="this rank starts --late-by seconds late")
     p.add_argument("--late-by", type=float, default=0.0)
+    p.add_argument("--skip-micro-batch", default=None, metavar="RANK:STEP",
+                   help="a buggy loop: this rank leaves out its last micro-batch at this step")
     MeCeFOConfig.add_cli_args(p)
     return p.parse_args()
 
@@ -84,15 +86,18 @@ def main():
         return reference(args)
     from megatron_mecefo.elastic.runtime import ElasticRuntime
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    from megatron_mecefo.config import LaunchEnv
+
+    env = LaunchEnv.read()
+    rank, world = env.rank, env.world
     if rank == args.late_rank:
         time.sleep(args.late_by)
     cfg = MeCeFOConfig.from_args(args, {"log_dir": str(args.out)})
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    rt = ElasticRuntime(cfg, rank=rank, world=world, store_host=os.environ["MASTER_ADDR"],
-                        store_port=int(os.environ["MASTER_PORT"]), micro_batches=args.k,
-                        incarnation=int(os.environ.get("MECEFO_INCARNATION", "0")))
+    rt = ElasticRuntime(cfg, rank=rank, world=world, store_host=env.master_addr, store_port=env.master_port,
+                        job_id=env.job_id, max_restarts=env.max_restarts, micro_batches=args.k,
+                        incarnation=env.incarnation)
     rt.set_state_hooks(lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
                        lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"])))
     rt.set_trace(args.steps)
@@ -112,7 +117,8 @@ def main():
             digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
             opt.zero_grad(set_to_none=True)
             loss_sum, samples = 0.0, 0
-            for mb in plan.micro_batches:
+            skip = args.skip_micro_batch == f"{rank}:{step}"
+            for mb in plan.micro_batches[:-1] if skip else plan.micro_batches:
                 ids = sample_range(step, mb.replica, mb.index, micro_batch_size=args.mb, dp=world, k=args.k)
                 rt.injector.maybe_fire(step, "forward")
                 loss = micro_batch_loss(model, ids)
@@ -121,7 +127,8 @@ def main():
                 time.sleep(args.step_sleep)
                 loss_sum += loss.item()
                 samples += len(ids)
-            total_loss, total_samples = rt.reduce_gradients(model.parameters(), stats=[loss_sum, samples])
+            total_loss, total_samples = rt.reduce_gradients(model.parameters(), stats=[loss_sum, samples],
+                                                            micro_batches=len(plan.micro_batches) - skip)
             if rt.commit(loss=total_loss / plan.divisor, samples=int(total_samples), param_sha256=digest):
                 rt.injector.maybe_fire(step, "optimizer")
                 opt.step()

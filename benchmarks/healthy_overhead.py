@@ -1,0 +1,125 @@
+"""Healthy overhead: what --mecefo costs when nothing fails.
+
+Runs examples/pretrain_gpt/pretrain_gpt.py under mecefo-launch as plain DeepSpeed data parallelism
+and with --mecefo, alternately (interleaved repeats in one run, so the machine's noise hits both
+alike), and reads the Megatron-style log lines: the time per iteration (the median over the logged
+intervals, the first one left out as warm-up) and the final validation loss. Each --mecefo run is
+compared with the plain run just before it.
+
+Where the difference comes from: per step, the runtime's own all-reduce of one flat buffer after
+the backward (DeepSpeed's reduction is bucketed; on a GPU Megatron overlaps it with the backward),
+the commit vote in the store (a few store round trips), and a heartbeat thread.
+
+    python benchmarks/healthy_overhead.py      # ~8 min on 2 cores; benchmarks/results/healthy_overhead.{json,png}
+    python benchmarks/healthy_overhead.py --tp 2 --ranks 4     # D=2 x T=2: healthy_overhead_tp2.{json,png}
+    python benchmarks/healthy_overhead.py --pp 2 --ranks 4     # D=2 x P=2: healthy_overhead_pp2.{json,png}
+
+With tensor or pipeline parallelism both runs go through Megatron-Core's schedule; the plain run
+reduces with DeepSpeed's allreduce_gradients, the MeCeFO run with one all-reduce per (tp, pp)
+position group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "pretrain_gpt" / "pretrain_gpt.py"
+
+
+def model_args(args) -> list:
+    return ["--num-layers", "2", "--hidden-size", str(args.hidden), "--num-attention-heads", "4",
+            "--seq-length", str(args.seq), "--micro-batch-size", "4", "--global-batch-size", str(8 * args.ranks // (args.tp * args.pp)),
+            "--train-iters", str(args.iters), "--eval-interval", str(args.iters), "--eval-iters", "4",
+            "--log-interval", str(args.log_interval), "--lr", "1e-3", "--lr-decay-style", "constant",
+            "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--mecefo-rank", "16",
+            "--tensor-model-parallel-size", str(args.tp), "--pipeline-model-parallel-size", str(args.pp)]
+
+
+def run(args, mecefo: bool) -> dict:
+    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(args.ranks),
+           "--master-port", "0", str(EXAMPLE), *model_args(args), *(["--mecefo"] if mecefo else [])]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{'mecefo' if mecefo else 'plain'} run failed:\n{proc.stderr[-3000:]}")
+    ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\):\s+(\S+)", proc.stdout)]
+    valid = [float(x) for x in re.findall(r"validation loss at iteration \d+ \| lm loss value: (\S+) \|", proc.stdout)]
+    return {"mecefo": mecefo, "step_ms": statistics.median(ms[1:]), "intervals_ms": ms, "valid_loss": valid[-1],
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    pairs = result["pairs"]
+    x = range(1, len(pairs) + 1)
+    a.plot(x, [p["plain"]["step_ms"] for p in pairs], "o-", label="plain DeepSpeed")
+    a.plot(x, [p["mecefo"]["step_ms"] for p in pairs], "s-", label="--mecefo")
+    a.set_xlabel("repeat")
+    a.set_ylabel("time per iteration (ms, median)")
+    a.legend()
+    b.bar(x, [p["ratio"] for p in pairs])
+    b.axhline(1.01, color="red", linestyle="--", label="target 1.01")
+    b.set_ylim(min(0.9, min(p["ratio"] for p in pairs) - 0.02), max(1.1, max(p["ratio"] for p in pairs) + 0.02))
+    b.set_xlabel("repeat")
+    b.set_ylabel("--mecefo / plain")
+    b.legend()
+    fig.suptitle(f"no failure, {result['settings']['ranks']} ranks ({result['settings']['layout']}), hidden {result['settings']['hidden']}, "
+                 f"seq {result['settings']['seq']}: median ratio {result['ratio_median']:.3f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--iters", type=int, default=60)
+    p.add_argument("--log-interval", type=int, default=5)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--out", type=Path, default=None, help="default: results/healthy_overhead[_tp2|_pp2].json")
+    args = p.parse_args(argv)
+    suffix = "".join(f"_{n}{v}" for n, v in (("tp", args.tp), ("pp", args.pp)) if v > 1)
+    args.out = args.out or ROOT / "benchmarks" / "results" / f"healthy_overhead{suffix}.json"
+    layout = f"D={args.ranks // (args.tp * args.pp)} x T={args.tp} x P={args.pp}" if suffix else "dp only (tp = pp = 1)"
+    pairs = []
+    for i in range(args.repeats):
+        plain, mecefo = run(args, False), run(args, True)
+        ratio = mecefo["step_ms"] / plain["step_ms"]
+        pairs.append({"plain": plain, "mecefo": mecefo, "ratio": round(ratio, 4),
+                      "valid_loss_rel_diff": abs(mecefo["valid_loss"] - plain["valid_loss"]) / plain["valid_loss"]})
+        print(f"repeat {i}: plain {plain['step_ms']:.1f} ms, mecefo {mecefo['step_ms']:.1f} ms, ratio {ratio:.3f}, "
+              f"validation loss {plain['valid_loss']:.6f} / {mecefo['valid_loss']:.6f}", flush=True)
+    ratios = [p["ratio"] for p in pairs]
+    result = {
+        "settings": {"ranks": args.ranks, "iters": args.iters, "log_interval": args.log_interval, "hidden": args.hidden,
+                     "seq": args.seq, "layers": 2, "micro_batch": 4, "layout": layout},
+        "pairs": pairs,
+        "ratio_median": round(statistics.median(ratios), 4), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "target_ratio": 1.01,
+        "valid_loss_max_rel_diff": max(p["valid_loss_rel_diff"] for p in pairs),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out.with_suffix(".png"))
+    print(json.dumps({k: v for k, v in result.items() if k != "pairs"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

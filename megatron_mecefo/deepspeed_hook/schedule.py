@@ -1,0 +1,95 @@
+"""Megatron-Core's own schedules and gradient clipping for one replica of a tensor/pipeline-parallel
+model, usable under a DeepSpeed engine (with or without MeCeFO).
+
+* `forward_backward(model, forward_step_func, batches, ...)` runs `get_forward_backward_func()`
+  (1F1B with P > 1, no pipelining with P = 1) over the given micro-batches and leaves the
+  micro-batch gradients SUMMED in `.grad` (`sum_gradients=True`, the convention of MeCeFO's
+  runtime, which applies its own divisors) or averaged over the micro-batches (Megatron's default,
+  for DeepSpeed's own data-parallel averaging). `before_forward(i)` is entered around the forward of
+  micro-batch i (MeCeFO sets the covering mode there; the mode then holds for that micro-batch's
+  backward, whenever 1F1B runs it).
+* `clip_grad_norm(model, max_norm)`: the global gradient norm over the tensor- and pipeline-parallel
+  ranks of the replica (each parameter counted once: tensor-parallel duplicates only on tp rank 0),
+  as Megatron-Core's clip_grads computes it. DeepSpeed's own clipping counts non-tensor-parallel parameters on
+  model-parallel rank 0 only, which is wrong for pipeline stages > 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Iterable, List, Optional
+
+import torch
+
+__all__ = ["forward_backward", "clip_grad_norm"]
+
+
+def forward_backward(model: torch.nn.Module, forward_step_func: Callable, batches: Iterable[Any], *,
+                     num_microbatches: int, seq_length: int, micro_batch_size: int, forward_only: bool = False,
+                     sum_gradients: bool = True,
+                     before_forward: Optional[Callable[[int], ContextManager]] = None,
+                     after_forward: Optional[Callable[[int, torch.Tensor], None]] = None) -> List[float]:
+    """One pass of Megatron's schedule over `num_microbatches` micro-batches of this replica.
+
+    Args:
+        forward_step_func: Megatron's `(data_iterator, model) -> (output_tensor, loss_func)`, where
+            `loss_func(output) -> (loss, dict)`; `data_iterator` yields the items of `batches`.
+        after_forward: called with (i, this stage's output) after micro-batch i's forward.
+
+    Returns:
+        The loss of every micro-batch on the last pipeline stage (as the loss_func returned it,
+        before any scaling); an empty list on other stages.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
+    losses: List[float] = []
+    counter = iter(range(num_microbatches))
+
+    def step(data_iterator, mdl):
+        i = next(counter)
+        with (before_forward(i) if before_forward is not None else contextlib.nullcontext()):
+            output, loss_func = forward_step_func(data_iterator, mdl)
+        if after_forward is not None:
+            after_forward(i, output)
+
+        def loss(out):
+            value, reduced = loss_func(out)
+            losses.append(float(value.detach()))
+            if sum_gradients:  # with calculate_per_token_loss the schedule does not divide by num_microbatches
+                return value, torch.tensor(1, dtype=torch.int, device=value.device), reduced
+            return value, reduced
+        return output, loss
+
+    saved = config.calculate_per_token_loss
+    config.calculate_per_token_loss = sum_gradients
+    try:
+        get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(batches), model=[model], num_microbatches=num_microbatches,
+            seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only)
+    finally:
+        config.calculate_per_token_loss = saved
+    return losses
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip the gradients of `model` (one replica's shard) to the global norm `max_norm`; returns
+    the norm before clipping. Every rank of the replica must call it (a collective over its
+    tensor- and pipeline-parallel ranks). Megatron-Core's clip_grads does the same on CUDA only."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    counted = [p.grad.detach().float() for p in params if param_is_not_tensor_parallel_duplicate(p)]
+    device = params[0].grad.device if params else torch.device("cpu")
+    square = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in counted]).sum() if counted else \
+        torch.zeros((), device=device)
+    square = square.reshape(1)
+    dist.all_reduce(square, group=ps.get_model_parallel_group())
+    norm = float(square.sqrt())
+    coeff = max_norm / (norm + 1e-6)
+    if max_norm > 0 and coeff < 1.0:
+        torch._foreach_mul_([p.grad for p in params], coeff)
+    return norm

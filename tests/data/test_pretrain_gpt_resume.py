@@ -1,0 +1,82 @@
+"""Resuming examples/pretrain_gpt/pretrain_gpt.py: --load with a kill and a rejoin, dropout runs on
+the same loss curve (RNG state in the checkpoint), and checkpoints that are not plain data."""
+
+import json
+import sys
+
+import pytest
+
+from tests.data.test_pretrain_gpt import SMALL, losses, pretrain
+from tests.helpers import ROOT, run_launcher
+
+pytestmark = pytest.mark.dist
+
+DROPOUT = ["--hidden-dropout", "0.2", "--attention-dropout", "0.2"]
+
+
+def test_dropout_run_resumes_on_the_same_loss_curve(tmp_path):
+    """Without the RNG state in the checkpoint, the resumed run draws other dropout masks."""
+    full = losses(pretrain(tmp_path, 2, "--train-iters", "8", "--eval-interval", "100", "--mecefo", *DROPOUT).stdout)
+    pretrain(tmp_path, 2, "--train-iters", "4", "--eval-interval", "100", "--mecefo", *DROPOUT,
+             "--save", str(tmp_path / "ckpt"))
+    rest = losses(pretrain(tmp_path, 2, "--train-iters", "8", "--eval-interval", "100", "--mecefo", *DROPOUT,
+                           "--load", str(tmp_path / "ckpt")).stdout)
+    assert sorted(rest) == [5, 6, 7, 8]
+    assert [rest[i] for i in range(5, 9)] == [full[i] for i in range(5, 9)]
+    # plain DeepSpeed (no --mecefo) saves and loads the same way
+    plain_full = losses(pretrain(tmp_path, 2, "--train-iters", "8", "--eval-interval", "100", *DROPOUT).stdout)
+    pretrain(tmp_path, 2, "--train-iters", "4", "--eval-interval", "100", *DROPOUT, "--save", str(tmp_path / "plain"))
+    plain = losses(pretrain(tmp_path, 2, "--train-iters", "8", "--eval-interval", "100", *DROPOUT,
+                            "--load", str(tmp_path / "plain")).stdout)
+    assert [plain[i] for i in range(5, 9)] == [plain_full[i] for i in range(5, 9)]
+
+
+@pytest.mark.fault
+def test_load_then_a_kill_and_a_rejoin_finish_with_every_step_whole(tmp_path):
+    """The issue's reproducer: checkpoint at step 4, rerun with --load, rank 1 killed at step 8 and
+    restarted. Before, the restarted rank loaded the checkpoint over the live state it had received
+    and the job hung, then exited 1."""
+    pretrain(tmp_path, 2, "--train-iters", "4", "--eval-interval", "100", "--mecefo", "--save", str(tmp_path / "ckpt"))
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", "2", "--master-port", "0",
+           "--restart-failed-after", "1", str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"), *SMALL,
+           "--train-iters", "300", "--eval-interval", "300", "--log-interval", "50", "--mecefo", "--load", str(tmp_path / "ckpt"),
+           "--mecefo-inject", "kill:1:8", "--mecefo-log-dir", str(logs), "--mecefo-log-param-hash",
+           "--mecefo-agree-timeout-s", "15", "--mecefo-collective-timeout-s", "10"]
+    proc = run_launcher(cmd, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    events = [json.loads(l) for l in (logs / "events_rank1.jsonl").read_text().splitlines()]
+    rejoined = [e for e in events if e["event"] == "rejoined"]
+    assert rejoined and rejoined[0]["step"] > 8, "rank 1 rejoined with the live state, not the checkpoint's"
+    steps = {r: [json.loads(l) for l in (logs / f"steps_rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)}
+    assert [s["step"] for s in steps[0]] == list(range(4, 300))
+    assert all(s["samples"] == 8 for s in steps[0])
+    assert [s["step"] for s in steps[1]][-1] == 299
+    hashes = {s["step"]: s["param_sha256"] for s in steps[0]}
+    assert all(s["param_sha256"] == hashes[s["step"]] for s in steps[1]), "replicas identical before and after"
+
+
+def test_a_checkpoint_that_is_not_plain_data_is_refused(tmp_path):
+    """Loading unpickles with weights_only: a file that would run code on load is refused."""
+    import torch
+
+    pretrain(tmp_path, 1, "--train-iters", "2", "--eval-interval", "100", "--mecefo", "--save", str(tmp_path / "ckpt"))
+    target = tmp_path / "ckpt" / "global_step2" / "mp_rank_00_model_states.pt"
+    state = torch.load(target, weights_only=True)
+    marker = tmp_path / "pwned"
+    state["extra"] = _RunsCode(str(marker))
+    torch.save(state, target)
+    proc = pretrain(tmp_path, 1, "--train-iters", "4", "--eval-interval", "100", "--mecefo",
+                    "--load", str(tmp_path / "ckpt"), expect=2)
+    assert "holds more than tensors and plain containers" in proc.stderr
+    assert not marker.exists() and "iteration" not in proc.stdout
+
+
+class _RunsCode:
+    """Unpickling this creates a file: what an untrusted checkpoint could do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
