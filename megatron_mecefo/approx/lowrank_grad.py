@@ -19,7 +19,7 @@ import torch
 
 from megatron_mecefo.approx.projector import LowRankProjector
 
-__all__ = ["LowRankWeightGradLinear", "lowrank_linear"]
+__all__ = ["LowRankWeightGradLinear", "lowrank_linear", "main_grad_hook"]
 
 WGradHook = Callable[[torch.Tensor], Optional[torch.Tensor]]
 
@@ -82,3 +82,22 @@ def lowrank_linear(
             f"projector basis has {basis.shape[0]} rows but the weight has {weight.shape[1]} input features"
         )
     return LowRankWeightGradLinear.apply(x, weight, bias, basis, wgrad_hook)
+
+
+def main_grad_hook(weight: torch.Tensor) -> WGradHook:
+    """A `wgrad_hook` for Megatron's gradient-accumulation-fusion contract: the approximate G_W is
+    added into `weight.main_grad` (read now, at forward time, as Megatron does), and a dummy gradient
+    is handed to autograd exactly as Megatron's fused path does (the fused kernel itself is not used)."""
+    main_grad = weight.main_grad
+
+    def hook(grad_weight: torch.Tensor) -> Optional[torch.Tensor]:
+        main_grad.add_(grad_weight.to(main_grad.dtype))
+        if not hasattr(weight, "grad_added_to_main_grad"):
+            return None
+        # A dummy gradient keeps Megatron DDP's backward hooks on the main thread (as upstream).
+        weight.grad_added_to_main_grad = True
+        if getattr(weight, "zero_out_wgrad", False):
+            return torch.zeros(main_grad.shape, dtype=grad_weight.dtype, device=main_grad.device)
+        return torch.empty(main_grad.shape, dtype=grad_weight.dtype, device=main_grad.device)
+
+    return hook

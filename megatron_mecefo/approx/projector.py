@@ -17,7 +17,7 @@ import torch
 
 from megatron_mecefo.approx.mode import SVD_METHODS
 
-__all__ = ["LowRankProjector", "top_right_singular_vectors"]
+__all__ = ["LowRankProjector", "check_rank", "projector_for", "top_right_singular_vectors"]
 
 
 def top_right_singular_vectors(
@@ -148,3 +148,29 @@ class LowRankProjector:
         else:
             self.basis = None
             self.last_refresh_step = None
+
+
+def projector_for(owner, policy) -> LowRankProjector:
+    """The projector cached on `owner` (a linear layer) for `policy`'s settings, made anew when they
+    change. It lives in `owner._mecefo_projector`, so each weight (shard) keeps its own basis."""
+    p = getattr(owner, "_mecefo_projector", None)
+    if p is None or (p.rank, p.tau, p.svd_method, p.exact_max_dim) != (
+        policy.rank, policy.tau, policy.svd_method, policy.svd_exact_max_dim,
+    ):
+        p = LowRankProjector(policy.rank, policy.tau, svd_method=policy.svd_method,
+                             exact_max_dim=policy.svd_exact_max_dim)
+        owner._mecefo_projector = p
+    return p
+
+
+def check_rank(rank: int, weights, *, key: str = "mecefo.rank") -> None:
+    """Raise ValueError unless 0 < rank < min(out, in) of every (name, weight) in `weights` (local
+    shards). Call before training so a bad rank fails at start-up rather than at the first failure."""
+    for name, weight in weights:
+        out_f, in_f = weight.shape
+        limit = min(out_f, in_f)
+        if not 0 < rank < limit:
+            raise ValueError(
+                f"{key}={rank} is out of range for FFN weight {name} (local shard {out_f}x{in_f}): "
+                f"it must satisfy 0 < {key} < min(out, in) = {limit}"
+            )

@@ -59,7 +59,7 @@ from megatron_mecefo.elastic.topology import Grid
 from megatron_mecefo.errors import GaveUp, MeCeFOError, ReplicaLost
 from megatron_mecefo.log import EventLog
 
-__all__ = ["initialize", "MeCeFOEngine", "init_distributed", "check_ds_config", "param_digest", "save_checkpoint",
+__all__ = ["initialize", "attach_runtime", "MeCeFOEngine", "init_distributed", "check_ds_config", "param_digest", "save_checkpoint",
            "load_checkpoint"]
 
 logger = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ def check_ds_config(ds_config: Dict[str, Any], cfg: MeCeFOConfig) -> None:
         raise ValueError('ds_config "fp16" is not supported with MeCeFO yet; use "bf16" or fp32')
 
 
-def _replica_ds_config(ds_config: Dict[str, Any], world: int) -> tuple:
+def replica_ds_config(ds_config: Dict[str, Any], world: int) -> tuple:
     """The per-replica ds_config and the number of micro-batches per replica per step."""
     cfg = copy.deepcopy(ds_config)
     cfg.pop("mecefo", None)
@@ -397,7 +397,7 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
         raise ValueError("tied input and output embeddings (share_embeddings_and_output_weights) with pipeline "
                          "parallelism are not supported with MeCeFO yet: untie them (Megatron: "
                          "--untie-embeddings-and-output-weights)")
-    ds_config, k, mb = _replica_ds_config(config, job.world // (tp * pp))
+    ds_config, k, mb = replica_ds_config(config, job.world // (tp * pp))
     clip = 0.0
     if tp * pp > 1:  # DeepSpeed's clipping miscounts pipeline stages > 0: the engine clips instead
         clip = float(ds_config.pop("gradient_clipping", 0.0) or 0.0)
@@ -413,16 +413,38 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
         **kwargs,
     )
     restrict_checkpoint_loading(engine)
-    runtime = ElasticRuntime(cfg, rank=job.rank, world=job.world, tensor_parallel=tp, pipeline_parallel=pp,
-                             store_host=job.master_addr,
+    load = (lambda: load_checkpoint(engine, load_dir)) if load_dir is not None else None
+    save = (lambda: save_checkpoint(engine, save_dir)) if save_dir is not None else None
+    return attach_runtime(engine, cfg, job, tensor_parallel=tp, pipeline_parallel=pp, micro_batches=k,
+                          micro_batch_size=mb, clip_grad=clip, backend=backend, train_iters=train_iters,
+                          save=save, load=load)
+
+
+def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: int, pipeline_parallel: int,
+                   micro_batches: int, micro_batch_size: int, clip_grad: float = 0.0, backend: str = "gloo",
+                   train_iters: Optional[int] = None, save=None, load=None, extra_state=None) -> MeCeFOEngine:
+    """Join the job with a DeepSpeed engine built over this rank's replica: the runtime, its state
+    hooks (module, optimizer, scheduler, counters, RNG; what a rejoining rank receives) and the
+    give-up checkpoint, then `start()`. Shared by `initialize` and the integrations.
+
+    Args:
+        save: () -> checkpoint path, written when the job gives up (None: no checkpoint).
+        load: () -> None, loads a checkpoint into the engine; called before the runtime starts by
+            first incarnations only (a restarted rank takes the live state from a peer instead).
+        extra_state: (get, set) of more state a rejoining rank must receive (a training loop's
+            counters); plain data only.
+    """
+    runtime = ElasticRuntime(cfg, rank=job.rank, world=job.world, tensor_parallel=tensor_parallel,
+                             pipeline_parallel=pipeline_parallel, store_host=job.master_addr,
                              store_port=job.master_port, job_id=job.job_id, max_restarts=job.max_restarts,
-                             micro_batches=k, incarnation=job.incarnation, soft_failures=not job.mecefo_launcher,
-                             backend=backend)
+                             micro_batches=micro_batches, incarnation=job.incarnation,
+                             soft_failures=not job.mecefo_launcher, backend=backend)
 
     def get_state():
         return {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
                 "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-                "global_steps": engine.global_steps, "global_samples": engine.global_samples, "rng": rng_state()}
+                "global_steps": engine.global_steps, "global_samples": engine.global_samples, "rng": rng_state(),
+                "extra": extra_state[0]() if extra_state else None}
 
     def set_state(state):
         engine.module.load_state_dict(state["module"])
@@ -431,15 +453,17 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
         engine.global_steps, engine.global_samples = state["global_steps"], state["global_samples"]
         set_rng_state(state["rng"])
+        if extra_state:
+            extra_state[1](state["extra"])
 
     runtime.set_state_hooks(get_state, set_state)
-    if save_dir is not None:
-        runtime.set_checkpoint_hook(lambda: save_checkpoint(engine, save_dir))
+    if save is not None:
+        runtime.set_checkpoint_hook(save)
     if train_iters is not None:
         runtime.set_trace(train_iters)
-    if load_dir is not None and job.incarnation == 0:
-        load_checkpoint(engine, load_dir)
+    if load is not None and job.incarnation == 0:
+        load()
     step = runtime.start(engine.global_steps)
     if step != engine.global_steps:
         raise RuntimeError(f"runtime step {step} != engine step {engine.global_steps}")
-    return MeCeFOEngine(engine, runtime, cfg, mb, clip_grad=clip)
+    return MeCeFOEngine(engine, runtime, cfg, micro_batch_size, clip_grad=clip_grad)

@@ -31,6 +31,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from megatron_mecefo.approx import CoverPolicy, LowRankProjector, active_policy, lowrank_linear
+from megatron_mecefo.approx.lowrank_grad import main_grad_hook
+from megatron_mecefo.approx.projector import check_rank, projector_for
 
 __all__ = [
     "LowRankColumnParallelLinear",
@@ -42,23 +44,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _main_grad_hook(weight: torch.Tensor):
-    """Megatron's gradient-accumulation-fusion contract for a weight gradient computed by us."""
-    main_grad = weight.main_grad  # read at forward time, as Megatron does (weights may be shared)
-
-    def hook(grad_weight: torch.Tensor) -> Optional[torch.Tensor]:
-        main_grad.add_(grad_weight.to(main_grad.dtype))
-        if not hasattr(weight, "grad_added_to_main_grad"):
-            return None
-        # A dummy gradient keeps Megatron DDP's backward hooks on the main thread (as upstream).
-        weight.grad_added_to_main_grad = True
-        if getattr(weight, "zero_out_wgrad", False):
-            return torch.zeros(main_grad.shape, dtype=grad_weight.dtype, device=main_grad.device)
-        return torch.empty(main_grad.shape, dtype=grad_weight.dtype, device=main_grad.device)
-
-    return hook
-
-
 class _LowRankMixin:
     """Shared covering-mode matmul of the two low-rank linears."""
 
@@ -66,21 +51,7 @@ class _LowRankMixin:
 
     def mecefo_projector(self, policy: CoverPolicy) -> LowRankProjector:
         """The projector of this layer's weight for `policy`'s settings (created on first use)."""
-        p = self._mecefo_projector
-        if p is None or (p.rank, p.tau, p.svd_method, p.exact_max_dim) != (
-            policy.rank,
-            policy.tau,
-            policy.svd_method,
-            policy.svd_exact_max_dim,
-        ):
-            p = LowRankProjector(
-                policy.rank,
-                policy.tau,
-                svd_method=policy.svd_method,
-                exact_max_dim=policy.svd_exact_max_dim,
-            )
-            self._mecefo_projector = p
-        return p
+        return projector_for(self, policy)
 
     def _lowrank_forward_impl(
         self,
@@ -109,7 +80,7 @@ class _LowRankMixin:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
         projector = self.mecefo_projector(policy)
         projector.maybe_refresh(weight, policy.step)
-        hook = _main_grad_hook(weight) if gradient_accumulation_fusion and hasattr(weight, "main_grad") else None
+        hook = main_grad_hook(weight) if gradient_accumulation_fusion and hasattr(weight, "main_grad") else None
         return lowrank_linear(input, weight, bias, projector, wgrad_hook=hook)
 
     def _use_lowrank(self, weight: torch.Tensor, args: tuple) -> bool:
@@ -145,13 +116,4 @@ def check_lowrank_rank(model: torch.nn.Module, rank: int, *, key: str = "mecefo.
 
     Call before training so a bad rank fails at start-up rather than at the first failure.
     """
-    for name, module in lowrank_linears(model):
-        if module.weight is None:
-            continue
-        out_f, in_f = module.weight.shape
-        limit = min(out_f, in_f)
-        if not 0 < rank < limit:
-            raise ValueError(
-                f"{key}={rank} is out of range for FFN weight {name} (local shard {out_f}x{in_f}): "
-                f"it must satisfy 0 < {key} < min(out, in) = {limit}"
-            )
+    check_rank(rank, [(n, m.weight) for n, m in lowrank_linears(model) if m.weight is not None], key=key)

@@ -1,0 +1,342 @@
+"""MeCeFO inside Megatron-DeepSpeed's own `pretrain()`: the hooks `install()` puts into
+`megatron.initialize` and `megatron.training` (all are module globals that upstream calls by name).
+
+How the job looks to Megatron-DeepSpeed (as in `deepspeed_hook`, and why): torch.distributed, its
+`mpu` and the DeepSpeed engine span one replica only (its tensor-parallel ranks; data-parallel size
+1 as far as they know), so no upstream collective ever waits on a failed rank of another replica.
+Data parallelism across replicas belongs to the runtime. The consequences, handled here:
+
+* init (`_initialize_distributed`): torch.distributed is initialised over the replica before
+  upstream's own init, which then skips `init_process_group` and builds `mpu` over the replica.
+* ds_config: rewritten per replica (train_batch_size = micro batch x micro-batches) and checked
+  against the original data-parallel size; DeepSpeed's data-parallel all-reduce is off.
+* the model (`setup_model_and_optimizer`): MeCeFO's covering path on the model's layers
+  (layers.py); after upstream has built the engine and loaded `--load`, the rank joins the job
+  (a restarted rank receives the live state, iteration and sample counters included).
+* a step (`train_step`): the plan's micro-batches (own, then a failed neighbour's), each drawn from
+  the training set exactly as Megatron's `MegatronPretrainingSampler` would give it to that
+  data-parallel rank; reduce, commit, optimizer step; a failed step is redone by the survivors.
+  The consumed-sample and token counters advance by the whole global batch.
+* evaluation: every replica evaluates the whole global eval batch per eval iteration (what all
+  data-parallel ranks together evaluate upstream), with no cross-replica collective; so the
+  validation loss equals an unpatched run's.
+* checkpoints and logs: one replica (the lowest live) saves; the others' log lines are silenced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import os
+import sys
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
+
+__all__ = ["UsageError", "State", "STATE", "check_args", "wrap_initialize_distributed", "wrap_setup_model_and_optimizer",
+           "wrap_train_step", "wrap_datasets", "wrap_save_checkpoint", "wrap_evaluate", "lead_only_output"]
+
+logger = logging.getLogger(__name__)
+
+
+class UsageError(ValueError):
+    """Bad input for MeCeFO found before training (exit with USAGE_EXIT_CODE)."""
+
+
+@contextlib.contextmanager
+def _usage_errors():
+    try:
+        yield
+    except UsageError:
+        raise
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+@dataclasses.dataclass
+class State:
+    """This rank's MeCeFO state inside one `pretrain()` call."""
+
+    cfg: Optional[MeCeFOConfig] = None
+    """None: --mecefo is off and every hook calls upstream unchanged."""
+    job: Optional[LaunchEnv] = None
+    engine: Any = None
+    """The MeCeFOEngine over upstream's DeepSpeed engine."""
+    train_ds: Any = None
+    """The training set (on tensor-parallel rank 0: the only rank that reads data upstream)."""
+    dp: int = 1
+    """The original data-parallel size (replicas)."""
+
+    @property
+    def active(self) -> bool:
+        return self.cfg is not None
+
+    def lead(self) -> bool:
+        """This rank's replica is the lowest live one: it saves and logs."""
+        rt = self.engine.runtime
+        return rt.grid.replica_of(rt.rank) == min(rt.plan_cover().live)
+
+
+STATE = State()
+
+
+def read_ds_config(args) -> Dict[str, Any]:
+    cfg = args.deepspeed_config
+    if isinstance(cfg, dict):
+        return cfg
+    if getattr(args, "deepspeed_config_dict", None):
+        return args.deepspeed_config_dict
+    if not cfg:
+        return {}
+    with open(cfg, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, world: int) -> None:
+    """Refuse, before anything starts, what MeCeFO cannot run in Megatron-DeepSpeed (ValueError)."""
+    from megatron_mecefo.deepspeed_hook.engine import check_ds_config
+    from megatron_mecefo.elastic.inject import check_rules
+
+    refused = [
+        (not args.deepspeed, "--mecefo needs --deepspeed (Megatron's own optimizer and DDP are not supported)"),
+        (not args.no_pipeline_parallel,
+         "--mecefo needs --no-pipeline-parallel: DeepSpeed's pipeline engine (GPTModelPipe) is not supported "
+         "(its grid spans the data-parallel ranks and cannot be rebuilt around a failed rank)"),
+        (args.pipeline_model_parallel_size != 1, "--mecefo supports --pipeline-model-parallel-size 1 only"),
+        (args.virtual_pipeline_model_parallel_size is not None, "--mecefo does not support a virtual pipeline"),
+        (getattr(args, "ds_sequence_parallel_size", 1) > 1,
+         "--mecefo does not support DeepSpeed sequence parallelism (--ds-sequence-parallel-size)"),
+        (getattr(args, "zero_stage", 0) == 3, "--mecefo does not support --zero-stage 3"),
+        (getattr(args, "use_distributed_optimizer", False),
+         "--mecefo does not support --use-distributed-optimizer (it shards optimizer state over data-parallel ranks)"),
+        (args.dataloader_type != "single",
+         f"--mecefo needs --dataloader-type single (got {args.dataloader_type}): a failed rank's micro-batches are "
+         "drawn from the sampler's order"),
+        (args.rampup_batch_size is not None, "--mecefo does not support --rampup-batch-size"),
+        (max(getattr(args, "num_experts", None) or [1]) > 1, "--mecefo does not support MoE (--num-experts > 1)"),
+        (bool(getattr(args, "mos", False) or getattr(args, "kd", False)),
+         "--mecefo does not support knowledge distillation (--mos / --kd)"),
+        (bool(getattr(args, "curriculum_learning_legacy", False) or
+              getattr(args, "data_efficiency_curriculum_learning", False) or getattr(args, "random_ltd", False)),
+         "--mecefo does not support curriculum learning or random-LTD"),
+        ("compression_training" in ds_config, '--mecefo does not support ds_config "compression_training"'),
+        (bool(getattr(args, "exit_duration_in_mins", None)),
+         "--mecefo does not support --exit-duration-in-mins (replicas could stop at different iterations)"),
+        (getattr(args, "transformer_impl", "local") != "local", "--mecefo supports --transformer-impl local only"),
+    ]
+    for bad, message in refused:
+        if bad:
+            raise ValueError(message)
+    check_ds_config(ds_config, cfg)
+    check_rules(cfg.inject, world)
+
+
+# -- init -----------------------------------------------------------------------------------------
+
+def wrap_initialize_distributed(original: Callable) -> Callable:
+    """`megatron.initialize._initialize_distributed`: with --mecefo, torch.distributed over this
+    rank's replica first (the job's store, a restarted replica's rendezvous), then upstream's."""
+
+    def _initialize_distributed(*a, **kw):
+        from megatron import get_args
+
+        args = get_args()
+        with _usage_errors():
+            ds_config = read_ds_config(args)
+            cfg = MeCeFOConfig.from_args(args, ds_config.get("mecefo"))
+            if not cfg.enable:
+                return original(*a, **kw)
+            job = LaunchEnv.read()
+            check_args(args, ds_config, cfg, job.world)
+        import deepspeed
+
+        from megatron_mecefo.deepspeed_hook.engine import init_distributed
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # avoid a 35 s JIT build on CPU
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        STATE.job = init_distributed(backend, args.tensor_model_parallel_size, 1,
+                                     timeout_s=cfg.collective_timeout_s, join_timeout_s=cfg.join_timeout_s,
+                                     heartbeat_timeout_s=cfg.heartbeat_timeout_s, log_dir=cfg.log_dir)
+        STATE.cfg, STATE.dp = cfg, args.data_parallel_size
+        out = original(*a, **kw)
+        from megatron.core import mpu
+
+        if not mpu.model_parallel_is_initialized():  # upstream skips it when no device is counted
+            mpu.initialize_model_parallel(args.tensor_model_parallel_size, 1)
+        return out
+
+    return _initialize_distributed
+
+
+# -- model, engine, join --------------------------------------------------------------------------
+
+def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
+    def setup_model_and_optimizer(model_provider_func, model_type, *a, **kw):
+        if not STATE.active:
+            return original(model_provider_func, model_type, *a, **kw)
+        from megatron import get_args, get_num_microbatches
+
+        from megatron_mecefo.deepspeed_hook.engine import attach_runtime, replica_ds_config
+        from megatron_mecefo.integrations.megatron_deepspeed.layers import wrap_model
+
+        args, cfg = get_args(), STATE.cfg
+        with _usage_errors():
+            ds_config, k, mb = replica_ds_config(args.deepspeed_config_dict, STATE.dp)
+        if k != get_num_microbatches() or mb != args.micro_batch_size:
+            raise UsageError(f"ds_config gives {k} micro-batches of {mb} per replica, Megatron's flags "
+                             f"{get_num_microbatches()} of {args.micro_batch_size} (--global-batch-size / "
+                             "--micro-batch-size / data-parallel size): make them agree")
+        # upstream's schedules (evaluation) set the accumulation boundary themselves, which DeepSpeed
+        # allows in managed mode only; train_step sets it before each step (one step() per step)
+        ds_config.pop("managed_gradient_accumulation", None)
+        args.deepspeed_config_dict = ds_config
+
+        def provider(*pa, **pk):
+            with _usage_errors():
+                return wrap_model(model_provider_func(*pa, **pk), cfg.rank if cfg.lowrank_ffn else None)
+
+        model, optimizer, scheduler = original(provider, model_type, *a, **kw)  # loads --load on every rank
+        engine = model[0]
+
+        def get_counters():
+            return {"iteration": args.iteration, "consumed_train_samples": args.consumed_train_samples,
+                    "consumed_valid_samples": args.consumed_valid_samples,
+                    "consumed_train_tokens": args.consumed_train_tokens}
+
+        def set_counters(counters):
+            for key, value in counters.items():
+                setattr(args, key, value)
+
+        def save():
+            from megatron.checkpointing import save_checkpoint
+
+            save_checkpoint(args.iteration, model, optimizer, scheduler)
+            return os.path.join(args.save, f"global_step{args.iteration}")
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        engine.global_steps = args.iteration  # upstream's counter of record; equal after a DeepSpeed load
+        STATE.engine = attach_runtime(engine, cfg, STATE.job, tensor_parallel=args.tensor_model_parallel_size,
+                                      pipeline_parallel=1, micro_batches=k, micro_batch_size=mb, backend=backend,
+                                      train_iters=args.train_iters, save=save if args.save else None,
+                                      extra_state=(get_counters, set_counters))
+        rt = STATE.engine.runtime
+        if STATE.lead() and not rt.rejoined:
+            print(f" mecefo: job {rt.job_id} | {STATE.engine.recompute_note} | starting at iteration "
+                  f"{args.iteration}", flush=True)
+        return model, optimizer, scheduler
+
+    return setup_model_and_optimizer
+
+
+def wrap_datasets(original: Callable) -> Callable:
+    """`megatron.training.build_train_valid_test_datasets`: keep the training set, from which a
+    covering rank draws a failed neighbour's micro-batches."""
+
+    def build_train_valid_test_datasets(*a, **kw):
+        train_ds, valid_ds, test_ds = original(*a, **kw)
+        STATE.train_ds = train_ds
+        return train_ds, valid_ds, test_ds
+
+    return build_train_valid_test_datasets
+
+
+# -- the step -------------------------------------------------------------------------------------
+
+def micro_batch(dataset, consumed: int, replica: int, index: int, *, micro_batch_size: int, dp: int):
+    """The micro-batch `index` of data-parallel rank `replica` in the step that starts at `consumed`
+    samples, as `MegatronPretrainingSampler` + the default collate give it to that rank."""
+    start = consumed + index * micro_batch_size * dp + replica * micro_batch_size
+    return torch.utils.data.default_collate([dataset[i] for i in range(start, start + micro_batch_size)])
+
+
+def wrap_train_step(original: Callable) -> Callable:
+    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
+        if not STATE.active:
+            return original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config)
+        from megatron import get_args
+        from megatron.core import mpu
+
+        args, engine = get_args(), STATE.engine
+        if engine.global_steps != args.iteration:
+            raise RuntimeError(f"DeepSpeed's global_steps {engine.global_steps} != Megatron's iteration {args.iteration}")
+        k, mbs = engine.runtime.k, args.micro_batch_size
+        reads_data = mpu.get_tensor_model_parallel_rank() == 0  # the others receive it by broadcast
+        if reads_data and STATE.train_ds is None:
+            raise RuntimeError("MeCeFO has no training set: build_train_valid_test_datasets was not called")
+        engine.set_gradient_accumulation_boundary(True)  # step() runs once, after the plan's micro-batches
+        consumed = args.consumed_train_samples
+        increment = k * mbs * args.data_parallel_size  # the scheduler counts the whole global batch
+        while True:  # a failed step is redone by the survivors
+            with engine._replica_collectives():
+                for mb in engine.micro_batches():
+                    it = iter([micro_batch(STATE.train_ds, consumed, mb.replica, mb.index, micro_batch_size=mbs,
+                                           dp=STATE.dp)]) if reads_data else None
+                    output, loss_func = forward_step_func(it, engine)
+                    loss = loss_func(output)[0]
+                    engine.backward(loss)
+                    engine.step(lr_kwargs={"increment": increment})
+            if engine.last_committed:
+                break
+        # upstream's train() adds mpu's data-parallel size (1: the replica) x mbs x k; the rest of the
+        # global batch was consumed too (by the other replicas, or by this one covering)
+        rest = (STATE.dp - 1) * mbs * k
+        args.consumed_train_samples += rest
+        args.consumed_train_tokens += rest * args.seq_length
+        loss = torch.tensor([engine.last_loss], dtype=torch.float32)
+        return {"lm loss": loss}, 0, None, None
+
+    return train_step
+
+
+# -- evaluation, checkpoints, logs ----------------------------------------------------------------
+
+def wrap_evaluate(original: Callable, training_module) -> Callable:
+    """`megatron.training.evaluate`: each eval iteration runs the whole global eval batch (dp x k
+    micro-batches of the replica's sequential sampler: the samples all data-parallel ranks evaluate
+    together upstream), so no cross-replica collective is needed and the loss is an unpatched run's."""
+
+    def evaluate(*a, **kw):
+        if not STATE.active:
+            return original(*a, **kw)
+        per_replica = training_module.get_num_microbatches
+        training_module.get_num_microbatches = lambda: per_replica() * STATE.dp
+        try:
+            return original(*a, **kw)
+        finally:
+            training_module.get_num_microbatches = per_replica
+
+    return evaluate
+
+
+def wrap_save_checkpoint(original: Callable) -> Callable:
+    """`megatron.training.save_checkpoint`: one replica (the lowest live) writes; every replica
+    believes it is data-parallel rank 0, so more writers would write the same files."""
+
+    def save_checkpoint(*a, **kw):
+        if STATE.active and not STATE.lead():
+            return None
+        return original(*a, **kw)
+
+    return save_checkpoint
+
+
+def lead_only_output(original: Callable) -> Callable:
+    """Upstream's log functions print on the last rank of each replica: silence the others."""
+
+    def quiet(*a, **kw):
+        if not STATE.active or STATE.lead():
+            return original(*a, **kw)
+        with contextlib.redirect_stdout(io.StringIO()):
+            return original(*a, **kw)
+
+    return quiet
+
+
+def close(finished: bool) -> None:
+    if STATE.engine is not None:
+        STATE.engine.runtime.close(finished=finished)
