@@ -422,7 +422,8 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
 
 def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: int, pipeline_parallel: int,
                    micro_batches: int, micro_batch_size: int, clip_grad: float = 0.0, backend: str = "gloo",
-                   train_iters: Optional[int] = None, save=None, load=None, extra_state=None) -> MeCeFOEngine:
+                   train_iters: Optional[int] = None, save=None, load=None, extra_state=None,
+                   module_state=None) -> MeCeFOEngine:
     """Join the job with a DeepSpeed engine built over this rank's replica: the runtime, its state
     hooks (module, optimizer, scheduler, counters, RNG; what a rejoining rank receives) and the
     give-up checkpoint, then `start()`. Shared by `initialize` and the integrations.
@@ -433,7 +434,10 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
             first incarnations only (a restarted rank takes the live state from a peer instead).
         extra_state: (get, set) of more state a rejoining rank must receive (a training loop's
             counters); plain data only.
+        module_state: (get, set) of the module's state (default: `state_dict` / `load_state_dict`;
+            legacy Megatron models load only their `state_dict_for_save_checkpoint` format).
     """
+    get_module, set_module = module_state or (engine.module.state_dict, engine.module.load_state_dict)
     runtime = ElasticRuntime(cfg, rank=job.rank, world=job.world, tensor_parallel=tensor_parallel,
                              pipeline_parallel=pipeline_parallel, store_host=job.master_addr,
                              store_port=job.master_port, job_id=job.job_id, max_restarts=job.max_restarts,
@@ -441,13 +445,13 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
                              soft_failures=not job.mecefo_launcher, backend=backend)
 
     def get_state():
-        return {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
+        return {"module": get_module(), "optimizer": engine.optimizer.state_dict(),
                 "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
                 "global_steps": engine.global_steps, "global_samples": engine.global_samples, "rng": rng_state(),
                 "extra": extra_state[0]() if extra_state else None}
 
     def set_state(state):
-        engine.module.load_state_dict(state["module"])
+        set_module(state["module"])
         engine.optimizer.load_state_dict(state["optimizer"])
         if state["lr_scheduler"] is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -223,7 +223,9 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         STATE.engine = attach_runtime(engine, cfg, STATE.job, tensor_parallel=args.tensor_model_parallel_size,
                                       pipeline_parallel=1, micro_batches=k, micro_batch_size=mb, backend=backend,
                                       train_iters=args.train_iters, save=save if args.save else None,
-                                      extra_state=(get_counters, set_counters))
+                                      extra_state=(get_counters, set_counters),
+                                      module_state=(engine.module.state_dict_for_save_checkpoint,
+                                                    engine.module.load_state_dict))
         rt = STATE.engine.runtime
         if STATE.lead() and not rt.rejoined:
             print(f" mecefo: job {rt.job_id} | {STATE.engine.recompute_note} | starting at iteration "
