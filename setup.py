@@ -1,5 +1,7 @@
 """megatron-mecefo: MeCeFO fault-tolerant training for Megatron-Core and DeepSpeed."""
 
+import glob
+
 from setuptools import find_packages, setup
 
 setup(
@@ -22,9 +24,15 @@ setup(
         "deepspeed>=0.19.4",
     ],
     entry_points={"console_scripts": ["mecefo-launch=megatron_mecefo.elastic.launch:main",
-                                     "mecefo-store=megatron_mecefo.elastic.store_daemon:main"]},
+                                     "mecefo-store=megatron_mecefo.elastic.store_daemon:main",
+                                     "mecefo-patch=megatron_mecefo.patch:main"]},
+    # the patches for existing Megatron checkouts (mecefo-patch finds them here in a wheel install)
+    data_files=[(f"share/megatron-mecefo/{d}", glob.glob(f"{d}/*")) for d in glob.glob("patches/*")],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
         "bench": ["matplotlib>=3.8"],
+        # what Megatron-DeepSpeed's pretrain_gpt.py imports beyond torch and deepspeed (it also imports
+        # torchvision, through its vision code: bring the one matching your torch)
+        "mds": ["transformers>=4.40,<5", "six", "regex", "pybind11"],
     },
 )

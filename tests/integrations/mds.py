@@ -1,0 +1,160 @@
+"""Running an extracted, patched Megatron-DeepSpeed snapshot in the tests (CPU, gloo).
+
+The snapshot is ../shared/upstream/Megatron-DeepSpeed-*.tar.gz (or $MECEFO_UPSTREAM_DIR); tests
+skip, naming it, when it is absent. Its processes get on PYTHONPATH: a torchvision stand-in
+(stubs/: upstream imports torchvision through its vision code only; the PyPI wheel does not load
+with the CPU torch) and the "mds" extra's packages ($MECEFO_MDS_DEPS, installed by
+scripts/test.sh), unless this environment already imports transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+from tests.helpers import ROOT
+
+STUBS = Path(__file__).resolve().parent / "stubs"
+SNAPSHOT_GLOB = "Megatron-DeepSpeed-*.tar.gz"
+
+
+def upstream_dir() -> Path:
+    return Path(os.environ.get("MECEFO_UPSTREAM_DIR", ROOT.parent / "shared" / "upstream"))
+
+
+def snapshot(pattern: str) -> Path:
+    found = sorted(upstream_dir().glob(pattern))
+    if not found:
+        pytest.skip(f"no upstream snapshot {pattern} in {upstream_dir()} (set MECEFO_UPSTREAM_DIR)")
+    return found[-1]
+
+
+def extract(pattern: str, dest: Path) -> Path:
+    """A fresh extract of the snapshot (its top folder stripped) at dest."""
+    with tarfile.open(snapshot(pattern)) as tar:
+        top = tar.getmembers()[0].name.split("/")[0]
+        tar.extractall(dest.parent / ".x", filter="data")
+    shutil.move(str(dest.parent / ".x" / top), dest)
+    shutil.rmtree(dest.parent / ".x")
+    return dest
+
+
+def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    paths = [str(STUBS)]
+    try:
+        import transformers  # noqa: F401  (the mds extra in this environment)
+    except ImportError:
+        deps = os.environ.get("MECEFO_MDS_DEPS")
+        if not deps or not os.path.isdir(deps):
+            pytest.skip("Megatron-DeepSpeed needs the mds extra: run the tests with scripts/test.sh, or "
+                        "pip install -e .[mds]")
+        paths.append(deps)
+    e = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + [str(ROOT)]), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    e.update(extra or {})
+    return e
+
+
+def write_dataset(checkout: Path, prefix: Path, documents: int = 400) -> None:
+    """A tiny learnable corpus (arithmetic sequences) in upstream's own mmap format."""
+    code = f"""
+import numpy as np, torch
+from megatron.data.indexed_dataset import make_builder
+b = make_builder("{prefix}.bin", impl="mmap", vocab_size=1000)
+rng = np.random.default_rng(0)
+for _ in range({documents}):
+    n = int(rng.integers(20, 200)); start, stride = int(rng.integers(0, 997)), int(rng.integers(1, 7))
+    b.add_item(torch.tensor([(start + i * stride) % 997 + 1 for i in range(n)] + [0], dtype=torch.int64))
+    b.end_document()
+b.finalize("{prefix}.idx")
+"""
+    subprocess.run([sys.executable, "-c", code], cwd=checkout, env=env(), check=True, capture_output=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def args(data: Path, ds_config: Path, *, dp: int, tp: int = 1, iters: int = 10, micro_batches: int = 2,
+         extra: List[str] = ()) -> List[str]:
+    """A tiny GPT, the flags a user passes (CPU needs --no-gradient-accumulation-fusion and the fused
+    kernels off), and a ds_config for `dp` data-parallel ranks."""
+    gbs = dp * micro_batches
+    ds_config.write_text(json.dumps({"train_batch_size": gbs, "train_micro_batch_size_per_gpu": 1,
+                                     "steps_per_print": 10000, "zero_optimization": {"stage": 0},
+                                     "gradient_clipping": 1.0}))
+    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
+            "--global-batch-size", str(gbs), "--train-iters", str(iters), "--lr-decay-iters", str(iters),
+            "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+            "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234", "--log-interval", "1",
+            "--eval-interval", "5", "--eval-iters", "2", "--data-path", str(data), "--split", "98,1,1",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--tensor-model-parallel-size", str(tp),
+            "--no-gradient-accumulation-fusion", "--num-workers", "0", "--no-pipeline-parallel",
+            "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+            "--deepspeed", "--deepspeed_config", str(ds_config), "--zero-stage", "0", "--distributed-backend", "gloo",
+            *extra]
+
+
+def torchrun(checkout: Path, nproc: int, script_args: List[str], timeout: float = 240):
+    """The user's usual launch (torchrun), from the checkout's root. On CPU upstream counts devices
+    from LOCAL_SIZE (the deepspeed launcher sets it)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), "pretrain_gpt.py", *script_args]
+    return _run(cmd, checkout, timeout, {"LOCAL_SIZE": str(nproc)})
+
+
+def mecefo_launch(checkout: Path, nproc: int, script_args: List[str], *, restart_after: Optional[float] = None,
+                  timeout: float = 240):
+    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port())]
+    if restart_after is not None:
+        cmd += ["--restart-failed-after", str(restart_after)]
+    return _run(cmd + ["pretrain_gpt.py", *script_args], checkout, timeout)
+
+
+def _run(cmd, cwd, timeout, extra_env=None):
+    import signal
+
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env(extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?\| lm loss: ([0-9.E+-]+)")
+_VAL = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
+
+
+def losses(out: str) -> Dict[int, float]:
+    """iteration -> training loss, from upstream's log lines (each iteration once)."""
+    found: Dict[int, float] = {}
+    for m in _ITER.finditer(out):
+        it = int(m.group(1))
+        assert it not in found, f"iteration {it} logged twice (more than one replica logs)"
+        found[it] = float(m.group(3))
+    return found
+
+
+def consumed(out: str) -> Dict[int, int]:
+    return {int(m.group(1)): int(m.group(2)) for m in _ITER.finditer(out)}
+
+
+def val_losses(out: str) -> Dict[int, float]:
+    return {int(m.group(1)): float(m.group(2)) for m in _VAL.finditer(out)}

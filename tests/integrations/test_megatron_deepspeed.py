@@ -1,0 +1,134 @@
+"""Megatron-DeepSpeed's own pretrain_gpt.py, patched by mecefo-patch, on CPU: the user's flags plus
+--mecefo, started by mecefo-launch; ranks really SIGKILLed. Upstream's log lines are the record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.integrations import mds
+
+pytestmark = [pytest.mark.dist]
+
+
+def _steps(log_dir: Path):
+    """step -> the records of every rank that committed it (steps_rank*.jsonl)."""
+    steps = {}
+    for f in log_dir.glob("steps_rank*.jsonl"):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            steps.setdefault(r["step"], []).append(r)
+    return steps
+
+
+def _check_whole_and_identical(log_dir: Path, dp: int, k: int, iters: int, tp: int = 1) -> None:
+    """Every step ran the dp x k micro-batches of the global batch, and the replicas' shards at each
+    tensor-parallel position were bit-identical at its start."""
+    steps = _steps(log_dir)
+    assert sorted(steps) == list(range(iters))
+    for step, records in steps.items():
+        ran = {(m[0], m[1]) for r in records for m in r["micro_batches"]}
+        assert ran == {(d, j) for d in range(dp) for j in range(k)}, f"step {step} did not run the whole global batch"
+        for position in range(tp):
+            shards = {r["param_sha256"] for r in records if r["rank"] % tp == position}
+            assert len(shards) == 1, f"replicas differ at the start of step {step} (tp rank {position})"
+
+
+def test_no_failure_matches_the_unpatched_run(mds_checkout, tmp_path):
+    """Without --mecefo the patched script is upstream's (same losses, bit for bit); with --mecefo
+    and no failure the loss curve and the validation losses are upstream's (float summation order)."""
+    root, data = mds_checkout
+    args = mds.args(data, tmp_path / "ds.json", dp=2)
+    patched = mds.torchrun(root, 2, args)
+    assert patched.returncode == 0, patched.stdout[-4000:]
+    (tmp_path / "orig").mkdir()
+    orig_root = mds.extract(mds.SNAPSHOT_GLOB, tmp_path / "orig" / "Megatron-DeepSpeed")
+    orig = mds.torchrun(orig_root, 2, args)
+    assert orig.returncode == 0, orig.stdout[-4000:]
+    mecefo = mds.mecefo_launch(root, 2, args + ["--mecefo", "--mecefo-rank", "16"])
+    assert mecefo.returncode == 0, mecefo.stdout[-4000:]
+    want = mds.losses(orig.stdout)
+    assert sorted(want) == list(range(1, 11))
+    assert mds.losses(patched.stdout) == want
+    got = mds.losses(mecefo.stdout)
+    assert sorted(got) == sorted(want)
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5), it
+    assert mds.consumed(mecefo.stdout) == mds.consumed(orig.stdout)
+    v_want, v_got = mds.val_losses(orig.stdout), mds.val_losses(mecefo.stdout)
+    assert sorted(v_got) == sorted(v_want) == [5, 10]
+    for it in v_want:
+        assert v_got[it] == pytest.approx(v_want[it], rel=1e-5)
+
+
+@pytest.mark.fault
+def test_kill_is_absorbed_exactly_with_approximations_off(mds_checkout, tmp_path):
+    """Rank 1 is SIGKILLed in the backward of step 4 and not restarted: rank 0 runs both replicas'
+    micro-batches from then on. With every approximation off (and no dropout: a covering rank draws
+    other masks than the failed rank would) the losses are the fault-free run's."""
+    root, data = mds_checkout
+    exact = ["--attention-dropout", "0", "--hidden-dropout", "0", "--mecefo", "--no-mecefo-skip-attention", "--no-mecefo-lowrank-ffn", "--mecefo-recompute-ffn", "never",
+             "--mecefo-log-param-hash"]
+    free = mds.mecefo_launch(root, 2, mds.args(data, tmp_path / "ds.json", dp=2,
+                                               extra=exact + ["--mecefo-log-dir", str(tmp_path / "free")]))
+    assert free.returncode == 0, free.stdout[-4000:]
+    killed = mds.mecefo_launch(root, 2, mds.args(data, tmp_path / "ds.json", dp=2, extra=exact + [
+        "--mecefo-log-dir", str(tmp_path / "killed"), "--mecefo-inject", "kill:1:4"]))
+    assert killed.returncode == 0, killed.stdout[-4000:]
+    assert "rank 1 (pid" in killed.stdout and "killed by SIGKILL" in killed.stdout
+    assert "generation 1: members [0], cover {1: 0}" in killed.stdout
+    want, got = mds.losses(free.stdout), mds.losses(killed.stdout)
+    assert sorted(got) == sorted(want) == list(range(1, 11))
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    assert mds.consumed(killed.stdout)[10] == 10 * 4  # every step consumed the whole global batch
+    _check_whole_and_identical(tmp_path / "killed", dp=2, k=2, iters=10)
+
+
+@pytest.mark.fault
+def test_kill_and_rejoin_with_approximations(mds_checkout, tmp_path):
+    """3 replicas; rank 1 is SIGKILLed at step 4 and restarted by mecefo-launch a second later: its
+    neighbour covers with the MeCeFO backward, the restarted rank receives the live state (module,
+    optimizer, scheduler, iteration and sample counters) and the group grows back; every step ran
+    the whole global batch and all replicas hold identical parameters at every step."""
+    root, data = mds_checkout
+    iters = 150
+    log_dir = tmp_path / "log"
+    out = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds.json", dp=3, iters=iters, extra=[
+        "--eval-interval", "1000", "--log-interval", "10", "--save", str(tmp_path / "ckpt"), "--save-interval", "1000",
+        "--mecefo", "--mecefo-rank", "16", "--mecefo-log-dir", str(log_dir), "--mecefo-log-param-hash",
+        "--mecefo-inject", "kill:1:4"]), restart_after=1, timeout=300)
+    assert out.returncode == 0, out.stdout[-6000:]
+    events = [json.loads(line) for line in (log_dir / "events_rank1.jsonl").read_text().splitlines()]
+    rejoined = [e for e in events if e["event"] == "rejoined"]
+    assert rejoined, "rank 1 did not rejoin"
+    assert "generation 1: members [0, 2], cover {1: 2}" in out.stdout
+    _check_whole_and_identical(log_dir, dp=3, k=2, iters=iters)
+    assert mds.consumed(out.stdout)[iters] == iters * 6
+    losses = mds.losses(out.stdout)
+    assert losses[iters] < losses[10] - 1.0  # it learns through the failure
+    # one replica wrote upstream's final checkpoint
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(iters)
+
+
+@pytest.mark.fault
+def test_tensor_parallel_replica_retires_and_rejoins(mds_checkout, tmp_path):
+    """TP=2 x DP=2: rank 3 (replica 1, tp rank 1) is SIGKILLed; its tensor-parallel mate leaves too
+    (exit 4), replica 0 covers with the MeCeFO backward on both tensor-parallel ranks, and the
+    restarted replica rejoins."""
+    root, data = mds_checkout
+    iters = 120
+    log_dir = tmp_path / "log"
+    out = mds.mecefo_launch(root, 4, mds.args(data, tmp_path / "ds.json", dp=2, tp=2, iters=iters, extra=[
+        "--eval-interval", "1000", "--log-interval", "10", "--mecefo", "--mecefo-rank", "16",
+        "--mecefo-log-dir", str(log_dir), "--mecefo-log-param-hash", "--mecefo-inject", "kill:3:4"]),
+        restart_after=1, timeout=300)
+    assert out.returncode == 0, out.stdout[-6000:]
+    assert "rank 2 (pid" in out.stdout and "exit code 4" in out.stdout
+    assert "cover {1: 0}" in out.stdout
+    assert any(json.loads(line)["event"] == "rejoined"
+               for line in (log_dir / "events_rank3.jsonl").read_text().splitlines())
+    _check_whole_and_identical(log_dir, dp=2, k=2, iters=iters, tp=2)
+    assert mds.consumed(out.stdout)[iters] == iters * 4
