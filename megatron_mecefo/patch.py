@@ -160,6 +160,7 @@ def _rewrite(root: Path, target: Target, reverse: bool) -> List[str]:
             raise PatchError(f"{path}: the result is not {target.describe()}'s {want} file; nothing was changed")
         new[path] = text
     written: List[Tuple[Path, bytes]] = []
+    tmp = None
     try:
         for path, text in new.items():
             file = root / path
@@ -170,6 +171,8 @@ def _rewrite(root: Path, target: Target, reverse: bool) -> List[str]:
             os.replace(tmp, file)
             written.append((file, before))
     except OSError as e:
+        if tmp is not None and tmp.exists():
+            tmp.unlink()
         for file, before in written:  # all or none
             file.write_bytes(before)
         raise PatchError(f"could not write {e.filename}: {e.strerror}; nothing was changed") from None
