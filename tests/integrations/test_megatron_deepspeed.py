@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,30 @@ def test_tensor_parallel_replica_retires_and_rejoins(mds_checkout, tmp_path):
                for line in (log_dir / "events_rank3.jsonl").read_text().splitlines())
     _check_whole_and_identical(log_dir, dp=2, k=2, iters=iters, tp=2)
     assert mds.consumed(out.stdout)[iters] == iters * 4
+
+
+@pytest.mark.fault
+def test_give_up_writes_upstream_checkpoint_and_load_resumes(mds_checkout, tmp_path):
+    """3 replicas, no restarts: rank 1 dies at step 3 (rank 2 covers it), rank 2 at step 6, and
+    rank 0 cannot cover both: the job gives up (exit 3) after rank 0 wrote upstream's checkpoint of
+    the last committed step. `--load` then resumes there: iteration, consumed samples, the loss."""
+    root, data = mds_checkout
+    ckpt = tmp_path / "ckpt"
+    common = ["--save", str(ckpt), "--save-interval", "1000", "--mecefo", "--mecefo-rank", "16"]
+    out = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds.json", dp=3, iters=10, extra=common + [
+        "--mecefo-inject", "kill:1:3", "--mecefo-inject", "kill:2:6"]))
+    assert out.returncode == 3, out.stdout[-6000:]
+    assert "cannot continue" in out.stdout and "checkpoint of the last committed step written to" in out.stdout
+    assert (ckpt / "latest").read_text().strip() == "global_step6"
+    before = mds.losses(out.stdout)
+    assert sorted(before) == list(range(1, 7))
+    resumed = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds.json", dp=3, iters=10,
+                                                  extra=common + ["--load", str(ckpt)]))
+    assert resumed.returncode == 0, resumed.stdout[-6000:]
+    after = mds.losses(resumed.stdout)
+    assert sorted(after) == list(range(7, 11))  # upstream's iteration came back from the checkpoint
+    assert mds.consumed(resumed.stdout)[7] == 7 * 6  # so did the consumed-sample counter
+    assert "successfully loaded checkpoint from" in resumed.stdout and "at iteration 6" in resumed.stdout
+    lr = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
+        r"iteration\s+(\d+)/.*?learning rate: ([0-9.E+-]+)", out.stdout + resumed.stdout)}
+    assert lr[7] < lr[6] < lr[3]  # the scheduler went on decaying (a fresh one would warm up from 5e-4)
