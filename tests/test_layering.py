@@ -18,6 +18,12 @@ FORBIDDEN = {
     "megatron_mecefo.elastic": ("megatron", "deepspeed", "megatron_mecefo.layers"),
     "megatron_mecefo.elastic.runtime": ("megatron", "deepspeed", "megatron_mecefo.layers"),
     "megatron_mecefo.elastic.launch": ("megatron", "deepspeed", "megatron_mecefo.layers"),
+    # imported by a patched Megatron-DeepSpeed script, whose `megatron` is its own: never megatron-core's
+    # layers; upstream and DeepSpeed are imported when install() runs
+    "megatron_mecefo.integrations.megatron_deepspeed": ("megatron", "deepspeed", "megatron_mecefo.layers"),
+    "megatron_mecefo.integrations.megatron_deepspeed.layers": ("megatron", "deepspeed", "megatron_mecefo.layers"),
+    "megatron_mecefo.integrations.megatron_deepspeed.training": ("megatron", "deepspeed", "megatron_mecefo.layers"),
+    "megatron_mecefo.patch": ("torch", "megatron", "deepspeed"),
 }
 
 

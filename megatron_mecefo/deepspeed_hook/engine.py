@@ -134,6 +134,14 @@ def init_distributed(backend: str = "gloo", tensor_parallel: int = 1, pipeline_p
     return env
 
 
+def skip_cpu_shm_build() -> None:
+    """DeepSpeed's CPU accelerator JIT-builds a shared-memory communication op (about 35 s) that
+    MeCeFO's gloo groups never use."""
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def replica_grid(world: int, tensor_parallel: int, pipeline_parallel: int) -> Grid:
     """The job's (tp, pp, dp) grid. Raises ValueError when the world does not divide."""
     if tensor_parallel < 1 or pipeline_parallel < 1 or world % (tensor_parallel * pipeline_parallel):
@@ -406,7 +414,7 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
             from megatron_mecefo.deepspeed_hook.mpu import MegatronMPU
 
             mpu = MegatronMPU()
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # avoid a 35 s JIT build on CPU
+    skip_cpu_shm_build()
     engine, _, _, _ = deepspeed.initialize(
         model=model, config=ds_config, mpu=mpu,
         model_parameters=model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad],

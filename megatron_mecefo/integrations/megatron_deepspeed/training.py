@@ -153,11 +153,9 @@ def wrap_initialize_distributed(original: Callable) -> Callable:
                 return original(*a, **kw)
             job = LaunchEnv.read()
             check_args(args, ds_config, cfg, job.world)
-        import deepspeed
+        from megatron_mecefo.deepspeed_hook.engine import init_distributed, skip_cpu_shm_build
 
-        from megatron_mecefo.deepspeed_hook.engine import init_distributed
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # avoid a 35 s JIT build on CPU
+        skip_cpu_shm_build()
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         STATE.job = init_distributed(backend, args.tensor_model_parallel_size, 1,
                                      timeout_s=cfg.collective_timeout_s, join_timeout_s=cfg.join_timeout_s,
