@@ -160,3 +160,20 @@ def test_give_up_writes_upstream_checkpoint_and_load_resumes(mds_checkout, tmp_p
     lr = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
         r"iteration\s+(\d+)/.*?learning rate: ([0-9.E+-]+)", out.stdout + resumed.stdout)}
     assert lr[7] < lr[6] < lr[3]  # the scheduler went on decaying (a fresh one would warm up from 5e-4)
+
+
+def test_refused_setups_end_before_training(mds_checkout, tmp_path):
+    """What MeCeFO cannot run ends with exit 2 and a message naming the flag, before training:
+    DeepSpeed's pipeline engine, and ZeRO stage 1."""
+    root, data = mds_checkout
+    args = mds.args(data, tmp_path / "ds.json", dp=1, extra=["--mecefo"])
+    pipe = mds.mecefo_launch(root, 1, [a for a in args if a != "--no-pipeline-parallel"], timeout=120)
+    assert pipe.returncode == 2, pipe.stdout[-3000:]
+    assert "error: --mecefo needs --no-pipeline-parallel" in pipe.stdout
+    config = json.loads((tmp_path / "ds.json").read_text())
+    config["zero_optimization"]["stage"] = 1
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    zero = mds.mecefo_launch(root, 1, args, timeout=120)
+    assert zero.returncode == 2, zero.stdout[-3000:]
+    assert 'error: ds_config "zero_optimization.stage"=1 is not supported with MeCeFO' in zero.stdout
+    assert "iteration        1/" not in pipe.stdout + zero.stdout
