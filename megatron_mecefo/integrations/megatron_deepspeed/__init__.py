@@ -91,5 +91,8 @@ def _run_job(pretrain: Callable):
     except (hooks.UsageError, JobConflict) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(USAGE_EXIT_CODE)
+    except SystemExit as e:  # upstream's own exits (--exit-interval, a kill-switch file, SIGTERM handler)
+        hooks.close(finished=e.code in (None, 0))
+        raise
     hooks.close(finished=True)
     return out

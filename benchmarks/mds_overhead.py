@@ -1,0 +1,110 @@
+"""Megatron-DeepSpeed healthy overhead: what the patch + --mecefo cost when nothing fails.
+
+Runs Megatron-DeepSpeed's own pretrain_gpt.py (the snapshot in ../shared/upstream, extracted twice:
+one copy unpatched, one patched by mecefo-patch) alternately: the unpatched script under torchrun
+(DeepSpeed's data-parallel all-reduce) and the patched one with --mecefo under mecefo-launch (the
+runtime's all-reduce, the commit vote, the heartbeat thread). Interleaved repeats in one run, so
+the machine's noise hits both alike. Reads upstream's log lines: the time per iteration (median
+over the logged intervals, the first left out as warm-up) and the final validation loss.
+
+    python benchmarks/mds_overhead.py          # ~6 min on 2 cores: benchmarks/results/mds_overhead.{json,png}
+
+Needs the "mds" extra (scripts/test.sh installs it into .venv/mds-deps; or pip install -e .[mds]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_mecefo import patch  # noqa: E402
+from tests.integrations import mds  # noqa: E402
+
+_ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+def model_args(data: Path, ds: Path, a) -> list:
+    base = mds.args(data, ds, dp=a.ranks, iters=a.iters, micro_batches=a.micro_batches, extra=[
+        "--log-interval", "10", "--eval-interval", str(a.iters), "--eval-iters", "2"])
+    size = {"--num-layers": "4", "--hidden-size": str(a.hidden), "--ffn-hidden-size": str(4 * a.hidden),
+            "--seq-length": str(a.seq), "--max-position-embeddings": str(a.seq)}
+    return [size.get(prev, x) if prev in size else x for prev, x in zip([None] + base[:-1], base)]
+
+
+def measure(out: str) -> float:
+    times = [float(x) for x in _ELAPSED.findall(out)][1:]
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--iters", type=int, default=60)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mds_overhead"))
+    a = p.parse_args()
+    if not os.environ.get("MECEFO_MDS_DEPS"):
+        os.environ["MECEFO_MDS_DEPS"] = str(ROOT / ".venv" / "mds-deps")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        orig = mds.extract(mds.SNAPSHOT_GLOB, tmp / "orig" / "Megatron-DeepSpeed")
+        patched = mds.extract(mds.SNAPSHOT_GLOB, tmp / "patched" / "Megatron-DeepSpeed")
+        patch.apply(str(patched))
+        data = tmp / "corpus_text_document"
+        mds.write_dataset(orig, data, documents=2000)
+        args = model_args(data, tmp / "ds.json", a)
+        runs = []
+        for r in range(a.repeats):
+            t0 = time.time()
+            plain = mds.torchrun(orig, a.ranks, args, timeout=900)
+            mecefo = mds.mecefo_launch(patched, a.ranks, args + ["--mecefo", "--mecefo-rank", "16"], timeout=900)
+            for name, res in (("unpatched", plain), ("mecefo", mecefo)):
+                if res.returncode != 0:
+                    raise SystemExit(f"{name} run failed:\n{res.stdout[-4000:]}")
+            row = {"repeat": r, "unpatched_ms": measure(plain.stdout), "mecefo_ms": measure(mecefo.stdout),
+                   "unpatched_val": mds.val_losses(plain.stdout)[a.iters],
+                   "mecefo_val": mds.val_losses(mecefo.stdout)[a.iters], "wall_s": time.time() - t0}
+            row["ratio"] = row["mecefo_ms"] / row["unpatched_ms"]
+            runs.append(row)
+            print(json.dumps(row), flush=True)
+    result = {
+        "what": "Megatron-DeepSpeed 4efb479 pretrain_gpt.py: unpatched under torchrun vs patched with --mecefo under "
+                "mecefo-launch, no failure; time per iteration (median of logged intervals)",
+        "config": vars(a), "runs": runs,
+        "ratio_median": statistics.median(r["ratio"] for r in runs),
+        "val_loss_rel_diff_max": max(abs(r["mecefo_val"] - r["unpatched_val"]) / r["unpatched_val"] for r in runs),
+    }
+    Path(a.out + ".json").write_text(json.dumps(result, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = range(len(runs))
+    ax.bar([x - 0.2 for x in xs], [r["unpatched_ms"] for r in runs], 0.4, label="unpatched (torchrun)")
+    ax.bar([x + 0.2 for x in xs], [r["mecefo_ms"] for r in runs], 0.4, label="patched, --mecefo (mecefo-launch)")
+    ax.set_xticks(list(xs), [f"repeat {r['repeat']}\n×{r['ratio']:.3f}" for r in runs])
+    ax.set_ylabel("ms per iteration")
+    ax.set_title(f"Megatron-DeepSpeed, {a.ranks} ranks, no failure: median ×{result['ratio_median']:.3f}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(a.out + ".png", dpi=120)
+    print(json.dumps({k: result[k] for k in ("ratio_median", "val_loss_rel_diff_max")}))
+
+
+if __name__ == "__main__":
+    main()
