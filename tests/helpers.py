@@ -29,20 +29,22 @@ def grads(model):
     return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
 
 
-def run_launcher(cmd, timeout):
-    """Run a launcher command in its own session; on timeout kill the whole process group."""
+def run_launcher(cmd, timeout, *, cwd=ROOT, env=None, merge_output=False):
+    """Run a launcher command in its own session; on timeout kill the whole process group.
+    `merge_output`: stderr goes into stdout, in order."""
     import os
     import signal
     import subprocess
 
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_output else subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout} s:\n{out[-2000:]}\n{err[-4000:]}")
+        raise AssertionError(f"timed out after {timeout} s:\n{out[-4000:]}\n{(err or '')[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

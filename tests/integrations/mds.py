@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_launcher
 
 STUBS = Path(__file__).resolve().parent / "stubs"
 SNAPSHOT_GLOB = "Megatron-DeepSpeed-*.tar.gz"
@@ -125,17 +125,7 @@ def mecefo_launch(checkout: Path, nproc: int, script_args: List[str], *, restart
 
 
 def _run(cmd, cwd, timeout, extra_env=None):
-    import signal
-
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env(extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"timed out after {timeout} s:\n{out[-6000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    return run_launcher(cmd, timeout, cwd=cwd, env=env(extra_env), merge_output=True)
 
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?\| lm loss: ([0-9.E+-]+)")
