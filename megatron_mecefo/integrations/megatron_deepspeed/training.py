@@ -29,9 +29,7 @@ import contextlib
 import dataclasses
 import io
 import json
-import logging
 import os
-import sys
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -40,8 +38,6 @@ from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 
 __all__ = ["UsageError", "State", "STATE", "check_args", "wrap_initialize_distributed", "wrap_setup_model_and_optimizer",
            "wrap_train_step", "wrap_datasets", "wrap_save_checkpoint", "wrap_evaluate", "lead_only_output"]
-
-logger = logging.getLogger(__name__)
 
 
 class UsageError(ValueError):
