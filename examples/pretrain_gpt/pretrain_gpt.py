@@ -347,6 +347,11 @@ def main(argv=None):
             save_checkpoint(engine, args, it, quiet=not is_logger())
     if rt is not None:
         engine.close()
+        # the outcome is recorded and every line printed; skip interpreter teardown, where C++
+        # destructors of process groups whose peers died (past generations) can std::terminate
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -101,7 +101,8 @@ def test_kill_and_rejoin_with_approximations(mds_checkout, tmp_path):
         "--eval-interval", "1000", "--log-interval", "50", "--save", str(tmp_path / "ckpt"), "--save-interval", "1000",
         "--mecefo", "--mecefo-rank", "16", "--mecefo-log-dir", str(log_dir), "--mecefo-log-param-hash",
         "--mecefo-inject", "kill:1:4"]), restart_after=1, timeout=300)
-    assert out.returncode == 0, out.stdout[-6000:]
+    launcher = "\n".join(line for line in out.stdout.splitlines() if "[mecefo-launch]" in line or "Error" in line)
+    assert out.returncode == 0, launcher + "\n" + out.stdout[-6000:]
     events = [json.loads(line) for line in (log_dir / "events_rank1.jsonl").read_text().splitlines()]
     rejoined = [e for e in events if e["event"] == "rejoined"]
     assert rejoined, f"rank 1 did not rejoin:\n{out.stdout[-6000:]}"
