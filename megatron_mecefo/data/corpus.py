@@ -16,19 +16,9 @@ from pathlib import Path
 from typing import Iterator, List
 
 from megatron_mecefo.data.preprocess import write_indexed_dataset
+from megatron_mecefo.locks import file_lock
 
-__all__ = ["stdlib_corpus", "file_lock"]
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+__all__ = ["stdlib_corpus"]
 
 
 def _stdlib_files(max_bytes: int) -> List[Path]:

@@ -17,7 +17,7 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from megatron_mecefo.data.corpus import file_lock
+from megatron_mecefo.locks import file_lock
 from megatron_mecefo.data.tokenizer import ByteTokenizer
 
 __all__ = ["build_gpt_datasets", "check_token_ids", "collate"]

@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
+from megatron_mecefo.locks import file_lock
 
 __all__ = ["UsageError", "State", "STATE", "check_args", "wrap_initialize_distributed", "wrap_setup_model_and_optimizer",
            "wrap_train_step", "wrap_datasets", "wrap_save_checkpoint", "wrap_evaluate", "lead_only_output"]
@@ -229,12 +230,35 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
     return setup_model_and_optimizer
 
 
+def index_cache_dir(args) -> Optional[str]:
+    """Where upstream writes the datasets' index files: --data-cache-path, else index-cache/ next
+    to the (first) data prefix."""
+    if args.data_cache_path:
+        return args.data_cache_path
+    prefixes = [p for p in (args.data_path or args.train_data_path or []) if not _is_number(p)]
+    return os.path.join(os.path.dirname(prefixes[0]), "index-cache") if prefixes else None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
 def wrap_datasets(original: Callable) -> Callable:
     """`megatron.training.build_train_valid_test_datasets`: keep the training set, from which a
-    covering rank draws a failed neighbour's micro-batches."""
+    covering rank draws a failed neighbour's micro-batches. Upstream builds missing index files on
+    rank 0, and every replica's rank 0 is a rank 0 here: they take turns under a file lock (one
+    machine; the later ones load what the first built)."""
 
     def build_train_valid_test_datasets(*a, **kw):
-        train_ds, valid_ds, test_ds = original(*a, **kw)
+        from megatron import get_args
+
+        cache = index_cache_dir(get_args()) if STATE.active else None
+        with file_lock(os.path.join(cache, ".mecefo-build.lock")) if cache else contextlib.nullcontext():
+            train_ds, valid_ds, test_ds = original(*a, **kw)
         STATE.train_ds = train_ds
         return train_ds, valid_ds, test_ds
 
