@@ -7,13 +7,11 @@ concurrent ranks build it once.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Iterator, List
+from typing import List
 
 from megatron_mecefo.data.preprocess import write_indexed_dataset
 from megatron_mecefo.locks import file_lock
