@@ -306,19 +306,22 @@ class ElasticRuntime:
             self.log.warning("peer failure detected: %s", str(error).splitlines()[0][:200])
 
     def reduce_gradients(self, params: Iterable[torch.nn.Parameter], stats: Sequence[float] = (),
-                         micro_batches: Optional[int] = None) -> List[float]:
+                         micro_batches: Optional[int] = None, attr: str = "grad") -> List[float]:
         """All-reduce (SUM) the gradients of `params` over the members and apply MeCeFO's divisors.
 
         Every rank must have SUMMED the gradients of its micro-batches (no averaging). `stats` are
         summed along (e.g. loss sum, sample count) and returned; zeros if the step failed.
         `micro_batches`: how many micro-batches this rank really ran this step; summed along, and
         `commit()` refuses a step whose members did not run the whole global batch (dp x k).
+        `attr`: where the gradient is: "grad", or "main_grad" (Megatron's DDP gradient buffers,
+        reduced in place so the buffers stay what its optimizer reads).
         """
         params = [p for p in params if p.requires_grad]
         if self._error is not None:
             return [0.0] * len(stats)
         self.injector.maybe_fire(self.step, "allreduce")
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        grads = [getattr(p, attr, None) for p in params]
+        grads = [g if g is not None else torch.zeros_like(p) for p, g in zip(params, grads)]
         device = grads[0].device if grads else torch.device("cpu")
         extra = list(stats) + ([float(micro_batches)] if micro_batches is not None else [])
         flat = torch.cat([g.detach().reshape(-1).float() for g in grads]
@@ -336,7 +339,11 @@ class ElasticRuntime:
                 scale = 1.0 / mha_div if mha_div else 0.0
             else:
                 scale = 1.0 / self._fold.divisor
-            p.grad = (flat[offset:offset + n] * scale).view_as(p).to(p.dtype)
+            reduced = flat[offset:offset + n] * scale
+            if attr == "grad":
+                p.grad = reduced.view_as(p).to(p.dtype)
+            else:
+                g.copy_(reduced.view_as(g))
             offset += n
         out = flat[offset:].cpu().tolist()
         if micro_batches is not None:

@@ -21,8 +21,6 @@ layers. What is refused, and why, is in training.check_args.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 from typing import Callable
 
 from megatron_mecefo.config import MeCeFOConfig
@@ -70,29 +68,8 @@ def install(pretrain: Callable) -> Callable:
 
 
 def _run_job(pretrain: Callable):
-    from megatron_mecefo.errors import (GAVE_UP_EXIT_CODE, RETIRED_EXIT_CODE, USAGE_EXIT_CODE, GaveUp, JobConflict,
-                                        JobFinished, NotAMember)
+    from megatron_mecefo.integrations.common import run_job
     from megatron_mecefo.integrations.megatron_deepspeed import training as hooks
 
-    state = hooks.STATE
-    try:
-        out = pretrain()
-    except JobFinished as e:  # a restarted rank came back after training ended
-        print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
-        return None
-    except GaveUp as e:
-        where = f"checkpoint of the last committed step written to {e.checkpoint}" if e.checkpoint else \
-            "no checkpoint written here"
-        print(f"MeCeFO: cannot continue: {e} ({where})", file=sys.stderr, flush=True)
-        sys.exit(GAVE_UP_EXIT_CODE)
-    except NotAMember as e:  # left out (presumed failed, or its replica lost a rank): the launcher restarts it
-        print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
-        os._exit(RETIRED_EXIT_CODE if state.job is not None and state.job.mecefo_launcher else 0)
-    except (hooks.UsageError, JobConflict) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(USAGE_EXIT_CODE)
-    except SystemExit as e:  # upstream's own exits (--exit-interval, a kill-switch file, SIGTERM handler)
-        hooks.close(finished=e.code in (None, 0))
-        raise
-    hooks.close(finished=True)
-    return out
+    return run_job(pretrain, mecefo_launcher=lambda: hooks.STATE.job is not None and hooks.STATE.job.mecefo_launcher,
+                   close=hooks.close)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import json
 import os
 from typing import Any, Callable, Dict, Optional
@@ -35,24 +34,11 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
+from megatron_mecefo.integrations.common import UsageError, micro_batch, quiet_unless, usage_errors
 from megatron_mecefo.locks import file_lock
 
 __all__ = ["UsageError", "State", "STATE", "check_args", "wrap_initialize_distributed", "wrap_setup_model_and_optimizer",
            "wrap_train_step", "wrap_datasets", "wrap_save_checkpoint", "wrap_evaluate", "lead_only_output"]
-
-
-class UsageError(ValueError):
-    """Bad input for MeCeFO found before training (exit with USAGE_EXIT_CODE)."""
-
-
-@contextlib.contextmanager
-def _usage_errors():
-    try:
-        yield
-    except UsageError:
-        raise
-    except ValueError as e:
-        raise UsageError(str(e)) from None
 
 
 @dataclasses.dataclass
@@ -143,7 +129,7 @@ def wrap_initialize_distributed(original: Callable) -> Callable:
         from megatron import get_args
 
         args = get_args()
-        with _usage_errors():
+        with usage_errors():
             ds_config = read_ds_config(args)
             cfg = MeCeFOConfig.from_args(args, ds_config.get("mecefo"))
             if not cfg.enable:
@@ -180,7 +166,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         from megatron_mecefo.integrations.megatron_deepspeed.layers import wrap_model
 
         args, cfg = get_args(), STATE.cfg
-        with _usage_errors():
+        with usage_errors():
             ds_config, k, mb = replica_ds_config(args.deepspeed_config_dict, STATE.dp)
         if k != get_num_microbatches() or mb != args.micro_batch_size:
             raise UsageError(f"ds_config gives {k} micro-batches of {mb} per replica, Megatron's flags "
@@ -192,7 +178,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         args.deepspeed_config_dict = ds_config
 
         def provider(*pa, **pk):
-            with _usage_errors():
+            with usage_errors():
                 return wrap_model(model_provider_func(*pa, **pk), cfg.rank if cfg.lowrank_ffn else None)
 
         model, optimizer, scheduler = original(provider, model_type, *a, **kw)  # loads --load on every rank
@@ -267,13 +253,6 @@ def wrap_datasets(original: Callable) -> Callable:
 
 # -- the step -------------------------------------------------------------------------------------
 
-def micro_batch(dataset, consumed: int, replica: int, index: int, *, micro_batch_size: int, dp: int):
-    """The micro-batch `index` of data-parallel rank `replica` in the step that starts at `consumed`
-    samples, as `MegatronPretrainingSampler` + the default collate give it to that rank."""
-    start = consumed + index * micro_batch_size * dp + replica * micro_batch_size
-    return torch.utils.data.default_collate([dataset[i] for i in range(start, start + micro_batch_size)])
-
-
 def wrap_train_step(original: Callable) -> Callable:
     def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
         if not STATE.active:
@@ -347,14 +326,7 @@ def wrap_save_checkpoint(original: Callable) -> Callable:
 
 def lead_only_output(original: Callable) -> Callable:
     """Upstream's log functions print on the last rank of each replica: silence the others."""
-
-    def quiet(*a, **kw):
-        if not STATE.active or STATE.lead():
-            return original(*a, **kw)
-        with contextlib.redirect_stdout(io.StringIO()):
-            return original(*a, **kw)
-
-    return quiet
+    return quiet_unless(original, lambda: not STATE.active or STATE.lead())
 
 
 def close(finished: bool) -> None:

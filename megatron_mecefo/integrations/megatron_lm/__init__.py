@@ -1,0 +1,72 @@
+"""MeCeFO for a Megatron-LM checkout (NVIDIA/Megatron-LM @ core_v0.16.1).
+
+The patch (`mecefo-patch apply CHECKOUT`, patches/megatron-lm) adds two lines to its
+`pretrain_gpt.py`:
+
+    import megatron_mecefo.integrations.megatron_lm as mecefo
+    ...
+    pretrain = mecefo.install(pretrain)
+
+`install` hooks Megatron-LM's training loop (`megatron.training.training` and `.initialize`) and
+returns `pretrain` with the `--mecefo*` flags added to its parser. Without `--mecefo` every hook
+calls the upstream function unchanged. With it the job is fault tolerant: start it with
+`mecefo-launch` (or `torchrun`), e.g.
+
+    mecefo-launch --nproc-per-node 8 pretrain_gpt.py <your flags> --transformer-impl local --mecefo
+
+Layers: MeCeFO's Megatron-Core spec (`megatron_mecefo.layers.specs mecefo_gpt_layer_spec`) is used
+unless `--spec` names it already. Scope: tensor parallelism >= 1, pipeline parallelism 1, Megatron's
+DDP without the distributed optimizer or overlapped gradient reduction, fp32 or bf16, dense
+layers. What is refused, and why, is in training.check_args.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+from megatron_mecefo.config import MeCeFOConfig
+
+__all__ = ["install", "add_args"]
+
+
+def add_args(parser):
+    """Megatron's `extra_args_provider`: the `--mecefo*` flags (the same as examples/pretrain_gpt)."""
+    MeCeFOConfig.add_cli_args(parser)
+    return parser
+
+
+def install(pretrain: Callable) -> Callable:
+    """Put MeCeFO's hooks into Megatron-LM's `megatron.training` and return `pretrain` wrapped:
+    the `--mecefo*` flags are added to the user's `extra_args_provider`, and a job MeCeFO cannot
+    continue ends with the launcher's exit codes (3: gave up, with a checkpoint when `--save` is
+    set; 4: this rank left the job and is restarted; 2: bad input, before training)."""
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+
+    from megatron_mecefo.integrations.megatron_lm import training as hooks
+
+    if not getattr(training, "_mecefo_installed", False):
+        initialize._initialize_distributed = hooks.wrap_initialize_distributed(initialize._initialize_distributed)
+        training.setup_model_and_optimizer = hooks.wrap_setup_model_and_optimizer(training.setup_model_and_optimizer)
+        training.build_train_valid_test_datasets = hooks.wrap_datasets(training.build_train_valid_test_datasets)
+        training.train_step = hooks.wrap_train_step(training.train_step)
+        training.evaluate = hooks.wrap_evaluate(training.evaluate)
+        training.save_checkpoint = hooks.wrap_save_checkpoint(training.save_checkpoint)
+        training.training_log = hooks.lead_only_output(training.training_log)
+        training.evaluate_and_print_results = hooks.lead_only_output(training.evaluate_and_print_results)
+        training._mecefo_installed = True
+
+    @functools.wraps(pretrain)
+    def run(*args, extra_args_provider=None, **kwargs):
+        def extra(parser):
+            parser = extra_args_provider(parser) if extra_args_provider is not None else parser
+            return add_args(parser)
+
+        from megatron_mecefo.integrations.common import run_job
+
+        return run_job(lambda: pretrain(*args, extra_args_provider=extra, **kwargs),
+                       mecefo_launcher=lambda: hooks.STATE.job is not None and hooks.STATE.job.mecefo_launcher,
+                       close=hooks.close)
+
+    return run

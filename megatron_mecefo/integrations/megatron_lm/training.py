@@ -1,0 +1,329 @@
+"""MeCeFO inside Megatron-LM's own `pretrain()` (core_v0.16.1): the hooks `install()` puts into
+`megatron.training.initialize` and `megatron.training.training` (module globals that upstream
+calls by name).
+
+How the job looks to Megatron-LM (as in the other integrations, and why): torch.distributed,
+`parallel_state` and Megatron's DDP span one replica only (its tensor-parallel ranks;
+data-parallel size 1 as far as they know), so no upstream collective ever waits on a failed rank
+of another replica, and no group Megatron caches (DDP's buckets, the optimizer's, `pg_collection`)
+needs rebuilding after a failure. Data parallelism across replicas belongs to the runtime, which
+reduces the DDP gradient buffers (`main_grad`) itself. The consequences, handled here:
+
+* init (`_initialize_distributed`): torch.distributed over the replica first, on the job's store;
+  upstream's own init then skips `init_process_group` and builds `parallel_state` over the replica.
+  `args.data_parallel_size` stays the job's, so Megatron's micro-batch count per replica (k) and
+  its global batch are the job's.
+* the model: MeCeFO's layer spec; after upstream has built model, optimizer and scheduler and
+  loaded `--load`, the rank joins the job (a restarted rank receives the live state, counters
+  included).
+* a step (`train_step`, step.py): upstream's own `train_step` runs the plan's micro-batches (own,
+  then a failed neighbour's, each drawn as Megatron's `MegatronPretrainingSampler` gives it to
+  that data-parallel rank); its `optimizer.step()` first reduces and commits; a failed step is
+  redone by the survivors. The consumed-sample counter advances by the whole global batch.
+* evaluation: every replica evaluates the whole global eval batch per eval iteration, so the
+  validation loss equals an unpatched run's.
+* checkpoints and logs: one replica (the lowest live) saves; the others' log lines are silenced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
+from megatron_mecefo.integrations.common import UsageError, micro_batch, quiet_unless, usage_errors
+from megatron_mecefo.locks import file_lock
+
+__all__ = ["UsageError", "State", "STATE", "SPEC", "check_args", "wrap_initialize_distributed",
+           "wrap_setup_model_and_optimizer", "wrap_train_step", "wrap_datasets", "wrap_save_checkpoint",
+           "wrap_evaluate", "lead_only_output"]
+
+SPEC = ["megatron_mecefo.layers.specs", "mecefo_gpt_layer_spec"]
+"""`--spec` of MeCeFO's GPT layer (Megatron-Core's local layer with the covering backward)."""
+
+
+@dataclasses.dataclass
+class State:
+    """This rank's MeCeFO state inside one `pretrain()` call."""
+
+    cfg: Optional[MeCeFOConfig] = None
+    """None: --mecefo is off and every hook calls upstream unchanged."""
+    job: Optional[LaunchEnv] = None
+    step: Any = None
+    """step.Step: the runtime and this rank's model, optimizer and scheduler."""
+    train_ds: Any = None
+    """The training set (on tensor-parallel rank 0: the only rank that reads data upstream)."""
+    dp: int = 1
+    """The original data-parallel size (replicas)."""
+
+    @property
+    def active(self) -> bool:
+        return self.cfg is not None
+
+    def lead(self) -> bool:
+        """This rank's replica is the lowest live one: it saves and logs."""
+        rt = self.step.runtime
+        return rt.grid.replica_of(rt.rank) == min(rt.plan_cover().live)
+
+
+STATE = State()
+
+
+def check_args(args, cfg: MeCeFOConfig, world: int) -> None:
+    """Refuse, before anything starts, what MeCeFO cannot run in Megatron-LM (ValueError)."""
+    from megatron_mecefo.elastic.inject import check_rules
+
+    spec = list(args.spec) if args.spec else None
+    refused = [
+        (args.pipeline_model_parallel_size != 1, "--mecefo supports --pipeline-model-parallel-size 1 only"),
+        (args.virtual_pipeline_model_parallel_size is not None, "--mecefo does not support a virtual pipeline"),
+        (args.context_parallel_size != 1, "--mecefo does not support context parallelism (--context-parallel-size)"),
+        (args.expert_model_parallel_size != 1 or bool(args.num_experts),
+         "--mecefo does not support MoE (--num-experts / --expert-model-parallel-size)"),
+        (args.use_distributed_optimizer,
+         "--mecefo does not support --use-distributed-optimizer (it shards optimizer state over data-parallel "
+         "ranks, so a failed rank would take its shard with it)"),
+        (bool(getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False)),
+         "--mecefo does not support FSDP (--use-torch-fsdp2 / --use-megatron-fsdp)"),
+        (args.overlap_grad_reduce or args.overlap_param_gather,
+         "--mecefo does not support --overlap-grad-reduce / --overlap-param-gather (MeCeFO reduces the gradients "
+         "across replicas after the step's micro-batches)"),
+        (args.fp16, "--mecefo does not support --fp16 yet (a dynamic loss scale skips steps): use --bf16 or fp32"),
+        (args.calculate_per_token_loss, "--mecefo does not support --calculate-per-token-loss"),
+        (args.dataloader_type != "single",
+         f"--mecefo needs --dataloader-type single (got {args.dataloader_type}): a failed rank's micro-batches are "
+         "drawn from the sampler's order"),
+        (args.rampup_batch_size is not None, "--mecefo does not support --rampup-batch-size"),
+        (bool(getattr(args, "decrease_batch_size_if_needed", False)), "--mecefo does not support --decrease-batch-size-if-needed"),
+        (args.data_parallel_random_init,
+         "--mecefo does not support --data-parallel-random-init (replicas must start identical)"),
+        (args.transformer_impl != "local",
+         f"--mecefo needs --transformer-impl local (got {args.transformer_impl}): MeCeFO's covering backward is "
+         "built on Megatron-Core's local layers"),
+        (spec is not None and spec != SPEC,
+         f"--mecefo uses its own layer spec ({' '.join(SPEC)}); drop --spec {' '.join(spec or [])}"),
+        (bool(getattr(args, "inprocess_restart", False)),
+         "--mecefo replaces --inprocess-restart (two fault-tolerance mechanisms would fight): drop one"),
+        (bool(getattr(args, "exit_duration_in_mins", None)),
+         "--mecefo does not support --exit-duration-in-mins (replicas could stop at different iterations)"),
+        (args.cuda_graph_impl != "none", "--mecefo does not support CUDA graphs (--cuda-graph-impl)"),
+        (bool(getattr(args, "multi_latent_attention", False)), "--mecefo does not support multi-latent attention"),
+        (bool(getattr(args, "mtp_num_layers", None)), "--mecefo does not support multi-token prediction"),
+        (bool(getattr(args, "perform_rl_step", False)), "--mecefo does not support RL training"),
+    ]
+    for bad, message in refused:
+        if bad:
+            raise ValueError(message)
+    check_rules(cfg.inject, world)
+
+
+# -- init -----------------------------------------------------------------------------------------
+
+def wrap_initialize_distributed(original: Callable) -> Callable:
+    """`megatron.training.initialize._initialize_distributed`: with --mecefo, torch.distributed over
+    this rank's replica first (the job's store, a restarted replica's rendezvous), then upstream's."""
+
+    def _initialize_distributed(*a, **kw):
+        from megatron.training import get_args
+
+        args = get_args()
+        with usage_errors():
+            cfg = MeCeFOConfig.from_args(args)
+            if not cfg.enable:
+                return original(*a, **kw)
+            job = LaunchEnv.read()
+            check_args(args, cfg, job.world)
+        from megatron_mecefo.elastic.bootstrap import init_distributed
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            torch.cuda.set_device(args.local_rank)  # upstream sets it only when it initialises itself
+        # the replica's tensor-parallel groups carry training collectives: a hung mate is noticed
+        # after collective_timeout_s, not Megatron's default 10 minutes
+        args.distributed_timeout_minutes = cfg.collective_timeout_s / 60
+        STATE.job = init_distributed(args.distributed_backend, args.tensor_model_parallel_size, 1,
+                                     timeout_s=cfg.collective_timeout_s, join_timeout_s=cfg.join_timeout_s,
+                                     heartbeat_timeout_s=cfg.heartbeat_timeout_s, log_dir=cfg.log_dir)
+        STATE.cfg, STATE.dp = cfg, args.data_parallel_size
+        args.spec = list(SPEC)
+        out = original(*a, **kw)
+        from megatron.core import mpu
+
+        if not mpu.model_parallel_is_initialized():  # upstream skips it when no device is counted
+            mpu.initialize_model_parallel(args.tensor_model_parallel_size, 1,
+                                          distributed_timeout_minutes=args.distributed_timeout_minutes)
+        return out
+
+    return _initialize_distributed
+
+
+# -- model, optimizer, join -----------------------------------------------------------------------
+
+def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
+    def setup_model_and_optimizer(model_provider_func, model_type, *a, **kw):
+        if not STATE.active:
+            return original(model_provider_func, model_type, *a, **kw)
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.training import get_args
+        from megatron.training.checkpointing import save_checkpoint
+
+        from megatron_mecefo.approx import Coverable
+        from megatron_mecefo.integrations.megatron_lm.step import Step
+        from megatron_mecefo.layers.linear import check_lowrank_rank
+
+        args, cfg = get_args(), STATE.cfg
+        model, optimizer, scheduler = original(model_provider_func, model_type, *a, **kw)  # loads --load
+        if not any(isinstance(m, Coverable) for chunk in model for m in chunk.modules()):
+            raise UsageError(f"the model has no MeCeFO layers: build it with --spec {' '.join(SPEC)}")
+        if cfg.lowrank_ffn:
+            with usage_errors():
+                check_lowrank_rank(model[0], cfg.rank, key="--mecefo-rank")
+
+        counters = ("iteration", "consumed_train_samples", "consumed_valid_samples", "skipped_train_samples",
+                    "num_floating_point_operations_so_far")
+
+        def get_counters():
+            return {key: getattr(args, key) for key in counters if hasattr(args, key)}
+
+        def set_counters(values):
+            for key, value in values.items():
+                setattr(args, key, value)
+
+        def save():
+            save_checkpoint(args.iteration, model, optimizer, scheduler, args.num_floating_point_operations_so_far)
+            return os.path.join(args.save, f"iter_{args.iteration:07d}")
+
+        backend = args.distributed_backend
+        STATE.step = Step.attach(cfg, STATE.job, model, optimizer, scheduler, tensor_parallel=args.tensor_model_parallel_size,
+                                 micro_batches=get_num_microbatches(), micro_batch_size=args.micro_batch_size,
+                                 backend=backend, train_iters=args.train_iters, start=args.iteration,
+                                 save=save if args.save else None, counters=(get_counters, set_counters))
+        rt = STATE.step.runtime
+        if STATE.lead() and not rt.rejoined:
+            print(f" mecefo: job {rt.job_id} | {STATE.step.recompute_note} | starting at iteration "
+                  f"{args.iteration}", flush=True)
+        return model, optimizer, scheduler
+
+    return setup_model_and_optimizer
+
+
+def wrap_datasets(original: Callable) -> Callable:
+    """`megatron.training.training.build_train_valid_test_datasets`: keep the training set, from
+    which a covering rank draws a failed neighbour's micro-batches. Upstream builds missing index
+    files on rank 0, and every replica's rank 0 is a rank 0 here: they take turns under a file lock
+    (one machine; the later ones load what the first built)."""
+
+    def build_train_valid_test_datasets(*a, **kw):
+        from megatron.training import get_args
+
+        cache = _index_cache_dir(get_args()) if STATE.active else None
+        with file_lock(os.path.join(cache, ".mecefo-build.lock")) if cache else contextlib.nullcontext():
+            train_ds, valid_ds, test_ds = original(*a, **kw)
+        STATE.train_ds = train_ds
+        return train_ds, valid_ds, test_ds
+
+    return build_train_valid_test_datasets
+
+
+def _index_cache_dir(args) -> Optional[str]:
+    if args.mock_data:
+        return None
+    if args.data_cache_path:
+        os.makedirs(args.data_cache_path, exist_ok=True)
+        return args.data_cache_path
+    prefixes = [p for p in (args.data_path or args.train_data_path or []) if not _is_number(p)]
+    return os.path.dirname(os.path.abspath(prefixes[0])) if prefixes else None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+# -- the step -------------------------------------------------------------------------------------
+
+def wrap_train_step(original: Callable) -> Callable:
+    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                   forward_backward_func, iteration=None):
+        if not STATE.active:
+            return original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                            forward_backward_func, iteration=iteration)
+        from megatron.core import mpu
+        from megatron.training import get_args
+
+        args, step = get_args(), STATE.step
+        k, mbs = step.runtime.k, args.micro_batch_size
+        reads_data = mpu.get_tensor_model_parallel_rank() == 0  # the others receive it by broadcast
+        if reads_data and STATE.train_ds is None:
+            raise RuntimeError("MeCeFO has no training set: build_train_valid_test_datasets was not called")
+        consumed = args.consumed_train_samples
+
+        def batches(plan):
+            if not reads_data:
+                return None
+            return (micro_batch(STATE.train_ds, consumed, mb.replica, mb.index, micro_batch_size=mbs, dp=STATE.dp)
+                    for mb in plan.micro_batches)
+
+        at = iteration if iteration is not None else args.iteration  # train() counts in a local
+        out = step.run(original, forward_step_func, model, optimizer, opt_param_scheduler, config,
+                       forward_backward_func, batches, iteration=at)
+        if step.last_committed:
+            # upstream's train() adds parallel_state's data-parallel size (1: the replica) x mbs x k;
+            # the rest of the global batch was consumed too (by the other replicas, or by this one
+            # covering). args.iteration is what a rejoining rank and a give-up checkpoint read.
+            args.consumed_train_samples += (STATE.dp - 1) * mbs * k
+            args.iteration = at + 1
+        return out
+
+    return train_step
+
+
+# -- evaluation, checkpoints, logs ----------------------------------------------------------------
+
+def wrap_evaluate(original: Callable) -> Callable:
+    """`megatron.training.training.evaluate`: each eval iteration runs the whole global eval batch
+    (global batch / micro batch micro-batches of the replica's sequential sampler: the samples all
+    data-parallel ranks evaluate together upstream), so no cross-replica collective is needed and
+    the loss is an unpatched run's."""
+
+    def evaluate(*a, **kw):
+        if not STATE.active:
+            return original(*a, **kw)
+        from megatron.training import get_args
+
+        args = get_args()
+        dp, args.data_parallel_size = args.data_parallel_size, 1
+        try:
+            return original(*a, **kw)
+        finally:
+            args.data_parallel_size = dp
+
+    return evaluate
+
+
+def wrap_save_checkpoint(original: Callable) -> Callable:
+    """`megatron.training.training.save_checkpoint`: one replica (the lowest live) writes; every
+    replica believes it is data-parallel rank 0, so more writers would write the same files."""
+
+    def save_checkpoint(*a, **kw):
+        if STATE.active and not STATE.lead():
+            return None
+        return original(*a, **kw)
+
+    return save_checkpoint
+
+
+def lead_only_output(original: Callable) -> Callable:
+    """Upstream's log functions print on the last rank of each replica: silence the others."""
+    return quiet_unless(original, lambda: not STATE.active or STATE.step is None or STATE.lead())
+
+
+def close(finished: bool) -> None:
+    if STATE.step is not None:
+        STATE.step.runtime.close(finished=finished)
