@@ -34,5 +34,8 @@ setup(
         # what Megatron-DeepSpeed's pretrain_gpt.py imports beyond torch and deepspeed (it also imports
         # torchvision, through its vision code: bring the one matching your torch)
         "mds": ["transformers>=4.40,<5", "six", "regex", "pybind11"],
+        # what Megatron-LM's pretrain_gpt.py imports beyond torch and megatron-core (and triton, which
+        # CUDA builds of torch bring)
+        "mlm": ["six", "regex", "pybind11"],
     },
 )

@@ -1,10 +1,10 @@
-"""A patched Megatron-DeepSpeed checkout with a tiny dataset, shared by this folder's tests."""
+"""Patched Megatron-DeepSpeed (with a tiny dataset) and Megatron-LM checkouts, shared by this folder's tests."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.integrations import mds
+from tests.integrations import mds, mlm
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +18,16 @@ def mds_checkout(tmp_path_factory):
     data.parent.mkdir()
     mds.write_dataset(root, data)
     return root, data
+
+
+@pytest.fixture(scope="session")
+def mlm_checkout(tmp_path_factory):
+    """A fresh extract of the Megatron-LM snapshot, patched by mecefo-patch, with upstream's
+    unpatched script beside it as pretrain_gpt_upstream.py."""
+    from megatron_mecefo import patch
+
+    root = mlm.extract(mlm.SNAPSHOT_GLOB, tmp_path_factory.mktemp("mlm") / "Megatron-LM")
+    patch.apply(str(root))
+    (root / "pretrain_gpt_upstream.py").write_text(mlm.original_script())
+    mlm.prepare(root)
+    return root

@@ -31,15 +31,24 @@ def checkout(tmp_path):
     return mds.extract(mds.SNAPSHOT_GLOB, tmp_path / "Megatron-DeepSpeed")
 
 
-def test_apply_check_revert_round_trip(checkout, tmp_path):
+ROUND_TRIPS = {
+    "megatron-deepspeed": (mds.SNAPSHOT_GLOB, "Megatron-DeepSpeed", "4efb479", "megatron_deepspeed"),
+    "megatron-lm": ("Megatron-LM-*.tar.gz", "Megatron-LM", "core_v0.16.1", "megatron_lm"),
+}
+
+
+@pytest.mark.parametrize("upstream", sorted(ROUND_TRIPS))
+def test_apply_check_revert_round_trip(upstream, tmp_path):
+    pattern, name, version, module = ROUND_TRIPS[upstream]
+    checkout = mds.extract(pattern, tmp_path / name)
     pristine = _tree(checkout)
     r = _cli("check", checkout)
-    assert r.returncode == 1 and "unpatched" in r.stdout
+    assert r.returncode == 1 and "unpatched" in r.stdout and version in r.stdout
     r = _cli("apply", checkout)
     assert r.returncode == 0, r.stderr
-    assert "patched pretrain_gpt.py" in r.stdout and "4efb479" in r.stdout
+    assert "patched pretrain_gpt.py" in r.stdout and version in r.stdout
     text = (checkout / "pretrain_gpt.py").read_text()
-    assert "import megatron_mecefo.integrations.megatron_deepspeed as mecefo\n" in text
+    assert f"import megatron_mecefo.integrations.{module} as mecefo\n" in text
     assert "    pretrain = mecefo.install(pretrain)\n" in text
     changed = {k for k in pristine if _tree(checkout)[k] != pristine[k]}
     assert changed == {"pretrain_gpt.py"}  # one file, two lines
@@ -47,7 +56,9 @@ def test_apply_check_revert_round_trip(checkout, tmp_path):
     assert r.returncode == 0 and ", patched" in r.stdout
     r = _cli("apply", checkout)  # a second apply changes nothing and says so
     assert r.returncode == 0 and "already patched" in r.stdout
-    assert "+    pretrain = mecefo.install(pretrain)" in _cli("diff", checkout).stdout
+    diff = _cli("diff", checkout).stdout
+    assert "+    pretrain = mecefo.install(pretrain)" in diff
+    assert len([line for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]) == 2
     r = _cli("revert", checkout)
     assert r.returncode == 0 and "restored pretrain_gpt.py" in r.stdout
     assert _tree(checkout) == pristine  # byte for byte, modes included

@@ -48,6 +48,7 @@ def install(pretrain: Callable) -> Callable:
 
     if not getattr(training, "_mecefo_installed", False):
         initialize._initialize_distributed = hooks.wrap_initialize_distributed(initialize._initialize_distributed)
+        initialize._compile_dependencies = hooks.wrap_compile_dependencies(initialize._compile_dependencies)
         training.setup_model_and_optimizer = hooks.wrap_setup_model_and_optimizer(training.setup_model_and_optimizer)
         training.build_train_valid_test_datasets = hooks.wrap_datasets(training.build_train_valid_test_datasets)
         training.train_step = hooks.wrap_train_step(training.train_step)

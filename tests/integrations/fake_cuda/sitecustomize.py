@@ -99,6 +99,12 @@ if os.environ.get("MECEFO_TEST_FAKE_CUDA") == "1":
         cuda.max_memory_reserved = lambda *a, **k: 0
         cuda.reset_peak_memory_stats = lambda *a, **k: None
         cuda.get_device_capability = lambda *a, **k: (8, 0)
+
+        class _Properties:
+            name, major, minor, total_memory, multi_processor_count = "cpu", 8, 0, 1 << 34, 1
+
+        cuda.get_device_properties = lambda *a, **k: _Properties()
+        cuda.get_device_name = lambda *a, **k: "cpu"
         # the "cuda" generator is the CPU's default one (random ops on "cuda" tensors run there)
         class _Generators:
             def __getitem__(self, index):

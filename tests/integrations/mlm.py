@@ -1,0 +1,81 @@
+"""Running an extracted, patched Megatron-LM snapshot (core_v0.16.1) in the tests, on CPU.
+
+Megatron-LM's training loop needs CUDA. Its processes here get on PYTHONPATH a test-only shim
+(fake_cuda/sitecustomize.py, on with MECEFO_TEST_FAKE_CUDA=1) that turns "cuda" devices into the
+CPU, and the "mlm" extra's packages plus triton, which upstream imports at module level
+($MECEFO_MLM_DEPS, installed by scripts/test.sh). The data is upstream's `--mock-data`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tarfile
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+from tests.helpers import ROOT, run_launcher
+from tests.integrations.mds import extract, free_port, snapshot
+
+SNAPSHOT_GLOB = "Megatron-LM-*.tar.gz"
+FAKE_CUDA = Path(__file__).resolve().parent / "fake_cuda"
+
+
+def original_script() -> str:
+    """upstream's pretrain_gpt.py, from the snapshot."""
+    with tarfile.open(snapshot(SNAPSHOT_GLOB)) as tar:
+        member = next(m for m in tar.getmembers() if m.name.split("/", 1)[-1] == "pretrain_gpt.py")
+        return tar.extractfile(member).read().decode()
+
+
+def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    deps = os.environ.get("MECEFO_MLM_DEPS")
+    if not deps or not os.path.isdir(deps):
+        pytest.skip("Megatron-LM needs the mlm extra and triton: run the tests with scripts/test.sh")
+    # CUDA_DEVICE_MAX_CONNECTIONS: upstream asserts it with tensor parallelism (its launch scripts set it)
+    e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(FAKE_CUDA), deps, str(ROOT)]), MECEFO_TEST_FAKE_CUDA="1",
+             CUDA_DEVICE_MAX_CONNECTIONS="1",
+             OMP_NUM_THREADS="1")
+    e.update(extra or {})
+    return e
+
+
+def args(*, dp: int, tp: int = 1, iters: int = 10, micro_batches: int = 2, extra: List[str] = ()) -> List[str]:
+    """A tiny GPT with the flags a user passes (on CPU: gloo, no fused kernels or gradient
+    accumulation fusion) and upstream's mock data."""
+    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
+            "--global-batch-size", str(dp * micro_batches), "--train-iters", str(iters), "--lr-decay-iters", str(iters),
+            "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+            "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234", "--log-interval", "1",
+            "--eval-interval", "5", "--eval-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "1000", "--tensor-model-parallel-size", str(tp), "--transformer-impl", "local",
+            "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion",
+            "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--num-workers", "0",
+            "--distributed-backend", "gloo", *extra]
+
+
+def torchrun(checkout: Path, nproc: int, script_args: List[str], *, script: str = "pretrain_gpt.py",
+             timeout: float = 240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), script, *script_args]
+    return run_launcher(cmd, timeout, cwd=checkout, env=env(), merge_output=True)
+
+
+def mecefo_launch(checkout: Path, nproc: int, script_args: List[str], *, restart_after: Optional[float] = None,
+                  timeout: float = 240):
+    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port())]
+    if restart_after is not None:
+        cmd += ["--restart-failed-after", str(restart_after)]
+    return run_launcher(cmd + ["pretrain_gpt.py", *script_args], timeout, cwd=checkout, env=env(), merge_output=True)
+
+
+def prepare(root: Path) -> None:
+    """Build upstream's dataset helpers once (every test's first rank would otherwise compile them)."""
+    import subprocess
+
+    subprocess.run(["make", "-C", str(root / "megatron" / "core" / "datasets")], env=env(), check=True,
+                   capture_output=True)

@@ -1,0 +1,174 @@
+"""Megatron-LM's own pretrain_gpt.py (core_v0.16.1), patched by mecefo-patch, on CPU: the user's flags
+plus --mecefo, started by mecefo-launch; ranks really SIGKILLed. Upstream's training loop needs CUDA:
+a test-only shim (fake_cuda/) runs its "cuda" tensors on the CPU. Upstream's log lines are the record."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.integrations import mds, mlm
+from tests.integrations.test_megatron_deepspeed import _check_whole_and_identical, _steps
+
+pytestmark = [pytest.mark.dist]
+
+EXACT = ["--attention-dropout", "0", "--hidden-dropout", "0", "--mecefo", "--no-mecefo-skip-attention",
+         "--no-mecefo-lowrank-ffn", "--mecefo-recompute-ffn", "never", "--mecefo-log-param-hash"]
+
+
+def test_no_failure_matches_the_unpatched_run(mlm_checkout, tmp_path):
+    """Without --mecefo the patched script is upstream's (same losses, bit for bit, under torchrun);
+    with --mecefo and no failure, under mecefo-launch, the loss curve, the consumed samples and the
+    validation losses are upstream's (up to float summation order)."""
+    args = mlm.args(dp=2)
+    orig = mlm.torchrun(mlm_checkout, 2, args, script="pretrain_gpt_upstream.py")
+    assert orig.returncode == 0, orig.stdout[-4000:]
+    patched = mlm.torchrun(mlm_checkout, 2, args)
+    assert patched.returncode == 0, patched.stdout[-4000:]
+    mecefo = mlm.mecefo_launch(mlm_checkout, 2, args + ["--mecefo", "--mecefo-rank", "16"])
+    assert mecefo.returncode == 0, mecefo.stdout[-4000:]
+    want = mds.losses(orig.stdout)
+    assert sorted(want) == list(range(1, 11))
+    assert mds.losses(patched.stdout) == want
+    got = mds.losses(mecefo.stdout)
+    assert sorted(got) == sorted(want)
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5), it
+    assert mds.consumed(mecefo.stdout) == mds.consumed(orig.stdout)
+    v_want, v_got = mds.val_losses(orig.stdout), mds.val_losses(mecefo.stdout)
+    assert sorted(v_got) == sorted(v_want) == [5, 10]
+    for it in v_want:
+        assert v_got[it] == pytest.approx(v_want[it], rel=1e-5)
+    assert "mecefo: job" in mecefo.stdout
+
+
+@pytest.mark.fault
+def test_kill_is_absorbed_exactly_with_approximations_off(mlm_checkout, tmp_path):
+    """Rank 1 is SIGKILLed in the backward of step 4 and not restarted: rank 0 runs both replicas'
+    micro-batches from then on (a 2k-micro-batch schedule). With every approximation off and no
+    dropout the losses are the fault-free run's."""
+    free = mlm.mecefo_launch(mlm_checkout, 2, mlm.args(dp=2, extra=EXACT + ["--mecefo-log-dir", str(tmp_path / "free")]))
+    assert free.returncode == 0, free.stdout[-4000:]
+    killed = mlm.mecefo_launch(mlm_checkout, 2, mlm.args(dp=2, extra=EXACT + [
+        "--mecefo-log-dir", str(tmp_path / "killed"), "--mecefo-inject", "kill:1:4"]))
+    assert killed.returncode == 0, killed.stdout[-4000:]
+    assert "rank 1 (pid" in killed.stdout and "killed by SIGKILL" in killed.stdout
+    assert "generation 1: members [0], cover {1: 0}" in killed.stdout
+    want, got = mds.losses(free.stdout), mds.losses(killed.stdout)
+    assert sorted(got) == sorted(want) == list(range(1, 11))
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    assert mds.consumed(killed.stdout)[10] == 10 * 4  # every step consumed the whole global batch
+    _check_whole_and_identical(tmp_path / "killed", dp=2, k=2, iters=10)
+    assert all(len(r["micro_batches"]) == 4 for s in _steps(tmp_path / "killed").values() for r in s if r["step"] >= 4)
+
+
+@pytest.mark.fault
+def test_kill_and_rejoin_with_approximations(mlm_checkout, tmp_path):
+    """3 replicas; rank 1 is SIGKILLed at step 4 and restarted a second later: its neighbour covers
+    with the MeCeFO backward, the restarted rank receives the live state (model, optimizer,
+    scheduler, RNG, iteration and sample counters) and the group grows back; every step ran the
+    whole global batch, all replicas hold identical parameters at every step, and one replica
+    writes upstream's final (torch_dist) checkpoint."""
+    iters = 500  # long enough for the restarted process to start before training ends
+    log_dir = tmp_path / "log"
+    out = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=iters, extra=[
+        "--eval-interval", "1000", "--log-interval", "50", "--save", str(tmp_path / "ckpt"), "--save-interval", "1000",
+        "--mecefo", "--mecefo-rank", "16", "--mecefo-log-dir", str(log_dir), "--mecefo-log-param-hash",
+        "--mecefo-inject", "kill:1:4"]), restart_after=1, timeout=300)
+    launcher = "\n".join(line for line in out.stdout.splitlines() if "[mecefo-launch]" in line or "Error" in line)
+    assert out.returncode == 0, launcher + "\n" + out.stdout[-6000:]
+    events = [json.loads(line) for line in (log_dir / "events_rank1.jsonl").read_text().splitlines()]
+    assert [e for e in events if e["event"] == "rejoined"], f"rank 1 did not rejoin:\n{launcher}"
+    assert "generation 1: members [0, 2], cover {1: 2}" in out.stdout
+    _check_whole_and_identical(log_dir, dp=3, k=2, iters=iters)
+    assert mds.consumed(out.stdout)[iters] == iters * 6
+    losses = mds.losses(out.stdout)
+    assert losses[iters] < losses[50] - 1.0  # it learns through the failure
+    tracker = tmp_path / "ckpt" / "latest_checkpointed_iteration.txt"
+    assert tracker.read_text().strip() == str(iters)
+
+
+@pytest.mark.fault
+def test_tensor_parallel_replica_retires_and_is_covered(mlm_checkout, tmp_path):
+    """TP=2 x DP=2: rank 3 (replica 1, tp rank 1) is SIGKILLed; its tensor-parallel mate leaves too
+    (exit 4) and replica 0 runs replica 1's micro-batches with the MeCeFO backward on both of its
+    tensor-parallel ranks to the end."""
+    iters = 20
+    log_dir = tmp_path / "log"
+    out = mlm.mecefo_launch(mlm_checkout, 4, mlm.args(dp=2, tp=2, iters=iters, extra=[
+        "--eval-interval", "10", "--mecefo", "--mecefo-rank", "16", "--mecefo-log-dir", str(log_dir),
+        "--mecefo-log-param-hash", "--mecefo-inject", "kill:3:4", "--mecefo-collective-timeout-s", "20"]), timeout=300)
+    assert out.returncode == 0, out.stdout[-6000:]
+    assert "rank 2 (pid" in out.stdout and "exit code 4" in out.stdout
+    assert "generation 1: members [0, 1], cover {1: 0}" in out.stdout
+    _check_whole_and_identical(log_dir, dp=2, k=2, iters=iters, tp=2)
+    assert all(s["step"] < 4 or s["rank"] in (0, 1) for r in _steps(log_dir).values() for s in r)
+    assert mds.consumed(out.stdout)[iters] == iters * 4
+    assert sorted(mds.val_losses(out.stdout)) == [10, 20]
+
+
+@pytest.mark.fault
+def test_give_up_writes_upstream_checkpoint_and_load_resumes(mlm_checkout, tmp_path):
+    """3 replicas, no restarts: rank 1 dies at step 3 (rank 2 covers it), rank 2 at step 6, and
+    rank 0 cannot cover both: the job gives up (exit 3) after rank 0 wrote upstream's checkpoint of
+    the last committed step. `--load` then resumes there: iteration, consumed samples, the LR."""
+    ckpt = tmp_path / "ckpt"
+    common = ["--save", str(ckpt), "--save-interval", "1000", "--mecefo", "--mecefo-rank", "16"]
+    out = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, extra=common + [
+        "--mecefo-inject", "kill:1:3", "--mecefo-inject", "kill:2:6"]))
+    assert out.returncode == 3, out.stdout[-6000:]
+    assert "cannot continue" in out.stdout and "checkpoint of the last committed step written to" in out.stdout
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "6", out.stdout[-6000:]
+    assert sorted(mds.losses(out.stdout)) == list(range(1, 7))
+    resumed = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, extra=common + ["--load", str(ckpt)]))
+    assert resumed.returncode == 0, resumed.stdout[-6000:]
+    assert sorted(mds.losses(resumed.stdout)) == list(range(7, 11))  # upstream's iteration came back
+    assert mds.consumed(resumed.stdout)[7] == 7 * 6  # so did the consumed-sample counter
+    lr = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
+        r"iteration\s+(\d+)/.*?learning rate: ([0-9.E+-]+)", out.stdout + resumed.stdout)}
+    assert lr[7] < lr[6] < lr[3]  # the scheduler went on decaying
+
+
+def test_refused_setups_end_before_training(mlm_checkout):
+    """What MeCeFO cannot run ends with exit 2 and a message naming the flag, before training."""
+    base = mlm.args(dp=1, extra=["--mecefo"])
+    cases = {
+        "--use-distributed-optimizer": ("--mecefo does not support --use-distributed-optimizer", base + [
+            "--use-distributed-optimizer"]),
+        "transformer_engine": ("--mecefo needs --transformer-impl local (got transformer_engine)",
+                               [a if a != "local" else "transformer_engine" for a in base]),
+    }
+    for flag, (message, args) in cases.items():
+        out = mlm.mecefo_launch(mlm_checkout, 1, args, timeout=120)
+        assert out.returncode == 2, (flag, out.stdout[-3000:])
+        assert f"error: {message}" in out.stdout, flag
+        assert "iteration        1/" not in out.stdout
+
+
+@pytest.mark.gpu
+def test_gpu_smoke(mlm_checkout, tmp_path):
+    """On a machine with CUDA: the patched script with --mecefo on one GPU (NCCL, bf16) for a few
+    steps under mecefo-launch, no shim. Skipped without CUDA."""
+    import os
+    import sys
+
+    import torch
+
+    from tests.helpers import run_launcher
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    args = [a for a in mlm.args(dp=1, iters=5) if a not in ("--distributed-backend", "gloo")]
+    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", "1", "--master-port",
+           str(mds.free_port()), "pretrain_gpt.py", *args, "--bf16", "--mecefo", "--mecefo-rank", "16",
+           "--mecefo-log-dir", str(tmp_path / "log")]
+    env = dict(mlm.env(), MECEFO_TEST_FAKE_CUDA="0")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in env["PYTHONPATH"].split(os.pathsep) if p != str(mlm.FAKE_CUDA))
+    out = run_launcher(cmd, 600, cwd=mlm_checkout, env=env, merge_output=True)
+    assert out.returncode == 0, out.stdout[-6000:]
+    assert sorted(mds.losses(out.stdout)) == list(range(1, 6))
+    assert len((Path(tmp_path / "log") / "steps_rank0.jsonl").read_text().splitlines()) == 5
