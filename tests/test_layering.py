@@ -23,6 +23,11 @@ FORBIDDEN = {
     "megatron_mecefo.integrations.megatron_deepspeed": ("megatron", "deepspeed", "megatron_mecefo.layers"),
     "megatron_mecefo.integrations.megatron_deepspeed.layers": ("megatron", "deepspeed", "megatron_mecefo.layers"),
     "megatron_mecefo.integrations.megatron_deepspeed.training": ("megatron", "deepspeed", "megatron_mecefo.layers"),
+    # imported by a patched Megatron-LM script before upstream's own imports settle: nothing heavy
+    "megatron_mecefo.integrations.megatron_lm": ("megatron", "deepspeed", "megatron_mecefo.layers"),
+    "megatron_mecefo.integrations.megatron_lm.training": ("megatron", "deepspeed", "megatron_mecefo.layers"),
+    "megatron_mecefo.integrations.megatron_lm.step": ("deepspeed",),
+    "megatron_mecefo.elastic.bootstrap": ("megatron", "deepspeed", "megatron_mecefo.layers"),
     "megatron_mecefo.patch": ("torch", "megatron", "deepspeed"),
 }
 

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["UsageError", "usage_errors", "micro_batch", "run_job", "quiet_unless"]
+__all__ = ["UsageError", "usage_errors", "micro_batch", "run_job", "quiet_unless", "one_replica_at_a_time"]
 
 
 class UsageError(ValueError):
@@ -81,3 +81,21 @@ def quiet_unless(original: Callable, speaks: Callable[[], bool]) -> Callable:
             return original(*a, **kw)
 
     return quiet
+
+
+def one_replica_at_a_time(original: Callable, active: Callable[[], bool], lock_dir: Callable[[], str]) -> Callable:
+    """`original` (upstream's `_compile_dependencies`: it compiles the dataset helpers on rank 0)
+    under a file lock in `lock_dir()` on each replica's rank 0: every replica's rank 0 is a rank 0
+    here, and two compilers writing the same library at once can leave a broken one. The other
+    ranks wait in upstream's own barrier."""
+    import torch.distributed as dist
+
+    from megatron_mecefo.locks import file_lock
+
+    def locked(*a, **kw):
+        if not active() or dist.get_rank() != 0:
+            return original(*a, **kw)
+        with file_lock(os.path.join(lock_dir(), ".mecefo-build.lock")):
+            return original(*a, **kw)
+
+    return locked

@@ -49,6 +49,13 @@ def extract(pattern: str, dest: Path) -> Path:
     return dest
 
 
+def original_script(pattern: str = SNAPSHOT_GLOB, name: str = "pretrain_gpt.py") -> str:
+    """An upstream file as the snapshot holds it (to run the unpatched script beside the patched one)."""
+    with tarfile.open(snapshot(pattern)) as tar:
+        member = next(m for m in tar.getmembers() if m.name.split("/", 1)[-1] == name)
+        return tar.extractfile(member).read().decode()
+
+
 def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     paths = [str(STUBS)]
     try:
@@ -107,11 +114,12 @@ def args(data: Path, ds_config: Path, *, dp: int, tp: int = 1, iters: int = 10, 
             *extra]
 
 
-def torchrun(checkout: Path, nproc: int, script_args: List[str], timeout: float = 240):
+def torchrun(checkout: Path, nproc: int, script_args: List[str], timeout: float = 240, *,
+             script: str = "pretrain_gpt.py"):
     """The user's usual launch (torchrun), from the checkout's root. On CPU upstream counts devices
     from LOCAL_SIZE (the deepspeed launcher sets it)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), "pretrain_gpt.py", *script_args]
+           str(free_port()), script, *script_args]
     return _run(cmd, checkout, timeout, {"LOCAL_SIZE": str(nproc)})
 
 

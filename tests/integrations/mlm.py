@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
-import tarfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
 
 from tests.helpers import ROOT, run_launcher
-from tests.integrations.mds import extract, free_port, snapshot
+from tests.integrations import mds
+from tests.integrations.mds import extract, free_port  # noqa: F401  (extract: used as mlm.extract)
 
 SNAPSHOT_GLOB = "Megatron-LM-*.tar.gz"
 FAKE_CUDA = Path(__file__).resolve().parent / "fake_cuda"
@@ -25,9 +25,7 @@ FAKE_CUDA = Path(__file__).resolve().parent / "fake_cuda"
 
 def original_script() -> str:
     """upstream's pretrain_gpt.py, from the snapshot."""
-    with tarfile.open(snapshot(SNAPSHOT_GLOB)) as tar:
-        member = next(m for m in tar.getmembers() if m.name.split("/", 1)[-1] == "pretrain_gpt.py")
-        return tar.extractfile(member).read().decode()
+    return mds.original_script(SNAPSHOT_GLOB)
 
 
 def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:

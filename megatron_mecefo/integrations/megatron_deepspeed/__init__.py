@@ -21,9 +21,11 @@ layers. What is refused, and why, is in training.check_args.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
 
 from megatron_mecefo.config import MeCeFOConfig
+from megatron_mecefo.integrations.common import one_replica_at_a_time, run_job
 
 __all__ = ["install", "add_args"]
 
@@ -32,6 +34,12 @@ def add_args(parser):
     """Megatron's `extra_args_provider`: the `--mecefo*` flags (the same as examples/pretrain_gpt)."""
     MeCeFOConfig.add_cli_args(parser)
     return parser
+
+
+def _helpers_dir() -> str:
+    import megatron.data as data
+
+    return os.path.dirname(data.__file__)
 
 
 def install(pretrain: Callable) -> Callable:
@@ -47,6 +55,8 @@ def install(pretrain: Callable) -> Callable:
 
     if not getattr(training, "_mecefo_installed", False):
         initialize._initialize_distributed = hooks.wrap_initialize_distributed(initialize._initialize_distributed)
+        initialize._compile_dependencies = one_replica_at_a_time(initialize._compile_dependencies,
+                                                                 lambda: hooks.STATE.active, _helpers_dir)
         training.setup_model_and_optimizer = hooks.wrap_setup_model_and_optimizer(training.setup_model_and_optimizer)
         training.build_train_valid_test_datasets = hooks.wrap_datasets(training.build_train_valid_test_datasets)
         training.train_step = hooks.wrap_train_step(training.train_step)
@@ -68,7 +78,6 @@ def install(pretrain: Callable) -> Callable:
 
 
 def _run_job(pretrain: Callable):
-    from megatron_mecefo.integrations.common import run_job
     from megatron_mecefo.integrations.megatron_deepspeed import training as hooks
 
     return run_job(pretrain, mecefo_launcher=lambda: hooks.STATE.job is not None and hooks.STATE.job.mecefo_launcher,

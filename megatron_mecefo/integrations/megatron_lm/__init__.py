@@ -23,9 +23,11 @@ layers. What is refused, and why, is in training.check_args.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
 
 from megatron_mecefo.config import MeCeFOConfig
+from megatron_mecefo.integrations.common import one_replica_at_a_time, run_job
 
 __all__ = ["install", "add_args"]
 
@@ -34,6 +36,12 @@ def add_args(parser):
     """Megatron's `extra_args_provider`: the `--mecefo*` flags (the same as examples/pretrain_gpt)."""
     MeCeFOConfig.add_cli_args(parser)
     return parser
+
+
+def _helpers_dir() -> str:
+    import megatron.core.datasets as datasets
+
+    return os.path.dirname(datasets.__file__)
 
 
 def install(pretrain: Callable) -> Callable:
@@ -48,7 +56,8 @@ def install(pretrain: Callable) -> Callable:
 
     if not getattr(training, "_mecefo_installed", False):
         initialize._initialize_distributed = hooks.wrap_initialize_distributed(initialize._initialize_distributed)
-        initialize._compile_dependencies = hooks.wrap_compile_dependencies(initialize._compile_dependencies)
+        initialize._compile_dependencies = one_replica_at_a_time(initialize._compile_dependencies,
+                                                                 lambda: hooks.STATE.active, _helpers_dir)
         training.setup_model_and_optimizer = hooks.wrap_setup_model_and_optimizer(training.setup_model_and_optimizer)
         training.build_train_valid_test_datasets = hooks.wrap_datasets(training.build_train_valid_test_datasets)
         training.train_step = hooks.wrap_train_step(training.train_step)
@@ -63,8 +72,6 @@ def install(pretrain: Callable) -> Callable:
         def extra(parser):
             parser = extra_args_provider(parser) if extra_args_provider is not None else parser
             return add_args(parser)
-
-        from megatron_mecefo.integrations.common import run_job
 
         return run_job(lambda: pretrain(*args, extra_args_provider=extra, **kwargs),
                        mecefo_launcher=lambda: hooks.STATE.job is not None and hooks.STATE.job.mecefo_launcher,

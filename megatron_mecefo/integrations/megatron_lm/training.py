@@ -38,7 +38,7 @@ from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.integrations.common import UsageError, micro_batch, quiet_unless, usage_errors
 from megatron_mecefo.locks import file_lock
 
-__all__ = ["UsageError", "State", "STATE", "SPEC", "check_args", "wrap_initialize_distributed", "wrap_compile_dependencies",
+__all__ = ["UsageError", "State", "STATE", "SPEC", "check_args", "wrap_initialize_distributed",
            "wrap_setup_model_and_optimizer", "wrap_train_step", "wrap_datasets", "wrap_save_checkpoint",
            "wrap_evaluate", "lead_only_output"]
 
@@ -158,21 +158,6 @@ def wrap_initialize_distributed(original: Callable) -> Callable:
         return out
 
     return _initialize_distributed
-
-
-def wrap_compile_dependencies(original: Callable) -> Callable:
-    """`megatron.training.initialize._compile_dependencies`: upstream compiles its dataset helpers
-    on rank 0, and every replica's rank 0 is a rank 0 here: they take turns under a file lock."""
-
-    def _compile_dependencies(*a, **kw):
-        if not STATE.active or torch.distributed.get_rank() != 0:  # the others wait in upstream's barrier
-            return original(*a, **kw)
-        import megatron.core.datasets as datasets
-
-        with file_lock(os.path.join(os.path.dirname(datasets.__file__), ".mecefo-build.lock")):
-            return original(*a, **kw)
-
-    return _compile_dependencies
 
 
 # -- model, optimizer, join -----------------------------------------------------------------------
