@@ -31,19 +31,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from megatron_mecefo import patch  # noqa: E402
+from mds_overhead import resize  # noqa: E402
 from tests.integrations import mds, mlm  # noqa: E402
 
 _ELAPSED = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
 def model_args(a) -> list:
-    base = mlm.args(dp=a.ranks, iters=a.iters, micro_batches=a.micro_batches, extra=[
-        "--log-interval", "10", "--eval-interval", str(a.iters), "--eval-iters", "2"])
-    size = {"--num-layers": "4", "--hidden-size": str(a.hidden), "--ffn-hidden-size": str(4 * a.hidden),
-            "--seq-length": str(a.seq), "--max-position-embeddings": str(a.seq)}
-    return [size.get(prev, x) if prev in size else x for prev, x in zip([None] + base[:-1], base)]
+    return resize(mlm.args(dp=a.ranks, iters=a.iters, micro_batches=a.micro_batches, extra=[
+        "--log-interval", "10", "--eval-interval", str(a.iters), "--eval-iters", "2"]), a)
 
 
 def measure(out: str, after: int = 10) -> float:

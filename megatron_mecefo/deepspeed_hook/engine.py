@@ -351,11 +351,8 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
             legacy Megatron models load only their `state_dict_for_save_checkpoint` format).
     """
     get_module, set_module = module_state or (engine.module.state_dict, engine.module.load_state_dict)
-    runtime = ElasticRuntime(cfg, rank=job.rank, world=job.world, tensor_parallel=tensor_parallel,
-                             pipeline_parallel=pipeline_parallel, store_host=job.master_addr,
-                             store_port=job.master_port, job_id=job.job_id, max_restarts=job.max_restarts,
-                             micro_batches=micro_batches, incarnation=job.incarnation,
-                             soft_failures=not job.mecefo_launcher, backend=backend)
+    runtime = ElasticRuntime.for_job(cfg, job, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                                     micro_batches=micro_batches, backend=backend)
 
     def get_state():
         return {"module": get_module(), "optimizer": engine.optimizer.state_dict(),

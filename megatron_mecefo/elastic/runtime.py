@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from megatron_mecefo.config import MeCeFOConfig
+from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.elastic import groups
 from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.elastic.fold import Fold, FoldPolicy, fold_neighbor
@@ -172,6 +172,17 @@ class ElasticRuntime:
         self.injector.events = self.events
 
     # -- life cycle -------------------------------------------------------------------------------
+
+    @classmethod
+    def for_job(cls, config: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: int, pipeline_parallel: int,
+                micro_batches: int, backend: str = "gloo") -> "ElasticRuntime":
+        """The runtime of this rank of `job` (from `bootstrap.init_distributed`): its rank, world,
+        store, job id, restarts and incarnation; injected failures exit softly (status 0) under
+        launchers other than mecefo-launch."""
+        return cls(config, rank=job.rank, world=job.world, tensor_parallel=tensor_parallel,
+                   pipeline_parallel=pipeline_parallel, store_host=job.master_addr, store_port=job.master_port,
+                   job_id=job.job_id, max_restarts=job.max_restarts, micro_batches=micro_batches,
+                   incarnation=job.incarnation, soft_failures=not job.mecefo_launcher, backend=backend)
 
     def set_state_hooks(self, get_state: Callable[[], Dict[str, Any]], set_state: Callable[[Dict[str, Any]], None]) -> None:
         """How to read and restore the training state sent to a rejoining rank (model, optimizer,

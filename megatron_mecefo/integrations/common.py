@@ -6,14 +6,18 @@ either codebase."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import io
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable, List, Optional
 
 import torch
 
-__all__ = ["UsageError", "usage_errors", "micro_batch", "run_job", "quiet_unless", "one_replica_at_a_time"]
+__all__ = ["UsageError", "usage_errors", "State", "add_args", "wrap_pretrain", "micro_batch", "run_job",
+           "quiet_unless", "lead_only_save", "keep_training_set", "data_prefixes", "one_replica_at_a_time",
+           "arg_counters"]
 
 
 class UsageError(ValueError):
@@ -29,6 +33,59 @@ def usage_errors():
         raise
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+@dataclasses.dataclass
+class State:
+    """A rank's MeCeFO state inside one upstream `pretrain()` call."""
+
+    cfg: Any = None
+    """The MeCeFOConfig; None: --mecefo is off and every hook calls upstream unchanged."""
+    job: Any = None
+    """The LaunchEnv (with the job's id) once torch.distributed is up over the replica."""
+    driver: Any = None
+    """What drives the runtime on this rank (it has `.runtime`): MeCeFOEngine or megatron_lm.step.Step."""
+    train_ds: Any = None
+    """The training set (on tensor-parallel rank 0: the only rank that reads data upstream)."""
+    dp: int = 1
+    """The original data-parallel size (replicas)."""
+
+    @property
+    def active(self) -> bool:
+        return self.cfg is not None
+
+    def lead(self) -> bool:
+        """This rank's replica is the lowest live one: it saves and logs."""
+        rt = self.driver.runtime
+        return rt.grid.replica_of(rt.rank) == min(rt.plan_cover().live)
+
+    def close(self, finished: bool) -> None:
+        if self.driver is not None:
+            self.driver.runtime.close(finished=finished)
+
+
+def add_args(parser):
+    """Megatron's `extra_args_provider`: the `--mecefo*` flags (the same as examples/pretrain_gpt)."""
+    from megatron_mecefo.config import MeCeFOConfig
+
+    MeCeFOConfig.add_cli_args(parser)
+    return parser
+
+
+def wrap_pretrain(pretrain: Callable, state: State) -> Callable:
+    """Upstream's `pretrain` with the `--mecefo*` flags added to the user's `extra_args_provider`
+    and a job MeCeFO cannot continue ended with the launcher's exit codes (run_job)."""
+
+    @functools.wraps(pretrain)
+    def run(*args, extra_args_provider=None, **kwargs):
+        def extra(parser):
+            parser = extra_args_provider(parser) if extra_args_provider is not None else parser
+            return add_args(parser)
+
+        return run_job(lambda: pretrain(*args, extra_args_provider=extra, **kwargs),
+                       mecefo_launcher=lambda: state.job is not None and state.job.mecefo_launcher, close=state.close)
+
+    return run
 
 
 def micro_batch(dataset, consumed: int, replica: int, index: int, *, micro_batch_size: int, dp: int):
@@ -99,3 +156,59 @@ def one_replica_at_a_time(original: Callable, active: Callable[[], bool], lock_d
             return original(*a, **kw)
 
     return locked
+
+
+def lead_only_save(original: Callable, state: State) -> Callable:
+    """Upstream's `save_checkpoint`: one replica (the lowest live) writes; every replica believes it
+    is data-parallel rank 0, so more writers would write the same files."""
+
+    def save_checkpoint(*a, **kw):
+        if state.active and not state.lead():
+            return None
+        return original(*a, **kw)
+
+    return save_checkpoint
+
+
+def keep_training_set(original: Callable, state: State, cache_dir: Callable[[], Optional[str]]) -> Callable:
+    """Upstream's `build_train_valid_test_datasets`: keep the training set, from which a covering
+    rank draws a failed neighbour's micro-batches. Upstream builds missing index files on rank 0,
+    and every replica's rank 0 is a rank 0 here: they take turns under a file lock in `cache_dir()`
+    (one machine; the later ones load what the first built)."""
+    from megatron_mecefo.locks import file_lock
+
+    def build_train_valid_test_datasets(*a, **kw):
+        cache = cache_dir() if state.active else None
+        with file_lock(os.path.join(cache, ".mecefo-build.lock")) if cache else contextlib.nullcontext():
+            train_ds, valid_ds, test_ds = original(*a, **kw)
+        state.train_ds = train_ds
+        return train_ds, valid_ds, test_ds
+
+    return build_train_valid_test_datasets
+
+
+def data_prefixes(args) -> List[str]:
+    """The dataset prefixes of Megatron's --data-path / --train-data-path (blend weights dropped)."""
+    return [p for p in (args.data_path or args.train_data_path or []) if not _is_number(p)]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def arg_counters(args, keys) -> tuple:
+    """(get, set) of the training loop's counters kept on Megatron's `args` (what a rejoining rank
+    receives with the state): plain values of the `keys` that `args` has."""
+
+    def get():
+        return {key: getattr(args, key) for key in keys if hasattr(args, key)}
+
+    def set_(values):
+        for key, value in values.items():
+            setattr(args, key, value)
+
+    return get, set_

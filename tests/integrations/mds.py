@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import pytest
 
@@ -115,25 +115,22 @@ def args(data: Path, ds_config: Path, *, dp: int, tp: int = 1, iters: int = 10, 
 
 
 def torchrun(checkout: Path, nproc: int, script_args: List[str], timeout: float = 240, *,
-             script: str = "pretrain_gpt.py"):
+             script: str = "pretrain_gpt.py", env_of: Callable = None):
     """The user's usual launch (torchrun), from the checkout's root. On CPU upstream counts devices
-    from LOCAL_SIZE (the deepspeed launcher sets it)."""
+    from LOCAL_SIZE (the deepspeed launcher sets it). `env_of`: extra env -> the processes' env."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(free_port()), script, *script_args]
-    return _run(cmd, checkout, timeout, {"LOCAL_SIZE": str(nproc)})
+    return run_launcher(cmd, timeout, cwd=checkout, env=(env_of or env)({"LOCAL_SIZE": str(nproc)}), merge_output=True)
 
 
 def mecefo_launch(checkout: Path, nproc: int, script_args: List[str], *, restart_after: Optional[float] = None,
-                  timeout: float = 240):
+                  timeout: float = 240, env_of: Callable = None):
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(nproc), "--master-port",
            str(free_port())]
     if restart_after is not None:
         cmd += ["--restart-failed-after", str(restart_after)]
-    return _run(cmd + ["pretrain_gpt.py", *script_args], checkout, timeout)
-
-
-def _run(cmd, cwd, timeout, extra_env=None):
-    return run_launcher(cmd, timeout, cwd=cwd, env=env(extra_env), merge_output=True)
+    return run_launcher(cmd + ["pretrain_gpt.py", *script_args], timeout, cwd=checkout, env=(env_of or env)(),
+                        merge_output=True)
 
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?\| lm loss: ([0-9.E+-]+)")
@@ -156,3 +153,22 @@ def consumed(out: str) -> Dict[int, int]:
 
 def val_losses(out: str) -> Dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in _VAL.finditer(out)}
+
+
+def assert_same_run(orig, patched, mecefo, iters: int = 10, evals=(5, 10)) -> None:
+    """The unpatched script's run (`orig`), the patched one without --mecefo (bit-identical losses)
+    and with --mecefo and no failure (loss curve, consumed samples and validation losses to 1e-5)."""
+    for name, res in (("unpatched", orig), ("patched", patched), ("--mecefo", mecefo)):
+        assert res.returncode == 0, f"{name} run failed:\n{res.stdout[-4000:]}"
+    want = losses(orig.stdout)
+    assert sorted(want) == list(range(1, iters + 1))
+    assert losses(patched.stdout) == want
+    got = losses(mecefo.stdout)
+    assert sorted(got) == sorted(want)
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5), it
+    assert consumed(mecefo.stdout) == consumed(orig.stdout)
+    v_want, v_got = val_losses(orig.stdout), val_losses(mecefo.stdout)
+    assert sorted(v_got) == sorted(v_want) == list(evals)
+    for it in v_want:
+        assert v_got[it] == pytest.approx(v_want[it], rel=1e-5)

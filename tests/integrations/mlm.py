@@ -9,15 +9,14 @@ CPU, and the "mlm" extra's packages plus triton, which upstream imports at modul
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
 
-from tests.helpers import ROOT, run_launcher
+from tests.helpers import ROOT
 from tests.integrations import mds
-from tests.integrations.mds import extract, free_port  # noqa: F401  (extract: used as mlm.extract)
+from tests.integrations.mds import extract  # noqa: F401  (used as mlm.extract)
 
 SNAPSHOT_GLOB = "Megatron-LM-*.tar.gz"
 FAKE_CUDA = Path(__file__).resolve().parent / "fake_cuda"
@@ -55,20 +54,12 @@ def args(*, dp: int, tp: int = 1, iters: int = 10, micro_batches: int = 2, extra
             "--distributed-backend", "gloo", *extra]
 
 
-def torchrun(checkout: Path, nproc: int, script_args: List[str], *, script: str = "pretrain_gpt.py",
-             timeout: float = 240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), script, *script_args]
-    return run_launcher(cmd, timeout, cwd=checkout, env=env(), merge_output=True)
+def torchrun(checkout: Path, nproc: int, script_args: List[str], **kwargs):
+    return mds.torchrun(checkout, nproc, script_args, env_of=env, **kwargs)
 
 
-def mecefo_launch(checkout: Path, nproc: int, script_args: List[str], *, restart_after: Optional[float] = None,
-                  timeout: float = 240):
-    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port())]
-    if restart_after is not None:
-        cmd += ["--restart-failed-after", str(restart_after)]
-    return run_launcher(cmd + ["pretrain_gpt.py", *script_args], timeout, cwd=checkout, env=env(), merge_output=True)
+def mecefo_launch(checkout: Path, nproc: int, script_args: List[str], **kwargs):
+    return mds.mecefo_launch(checkout, nproc, script_args, env_of=env, **kwargs)
 
 
 def prepare(root: Path) -> None:

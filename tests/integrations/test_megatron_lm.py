@@ -25,23 +25,9 @@ def test_no_failure_matches_the_unpatched_run(mlm_checkout, tmp_path):
     validation losses are upstream's (up to float summation order)."""
     args = mlm.args(dp=2)
     orig = mlm.torchrun(mlm_checkout, 2, args, script="pretrain_gpt_upstream.py")
-    assert orig.returncode == 0, orig.stdout[-4000:]
     patched = mlm.torchrun(mlm_checkout, 2, args)
-    assert patched.returncode == 0, patched.stdout[-4000:]
     mecefo = mlm.mecefo_launch(mlm_checkout, 2, args + ["--mecefo", "--mecefo-rank", "16"])
-    assert mecefo.returncode == 0, mecefo.stdout[-4000:]
-    want = mds.losses(orig.stdout)
-    assert sorted(want) == list(range(1, 11))
-    assert mds.losses(patched.stdout) == want
-    got = mds.losses(mecefo.stdout)
-    assert sorted(got) == sorted(want)
-    for it in want:
-        assert got[it] == pytest.approx(want[it], rel=1e-5), it
-    assert mds.consumed(mecefo.stdout) == mds.consumed(orig.stdout)
-    v_want, v_got = mds.val_losses(orig.stdout), mds.val_losses(mecefo.stdout)
-    assert sorted(v_got) == sorted(v_want) == [5, 10]
-    for it in v_want:
-        assert v_got[it] == pytest.approx(v_want[it], rel=1e-5)
+    mds.assert_same_run(orig, patched, mecefo)
     assert "mecefo: job" in mecefo.stdout
 
 

@@ -25,8 +25,6 @@ Data parallelism across replicas belongs to the runtime. The consequences, handl
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import os
 from typing import Any, Callable, Dict, Optional
@@ -34,35 +32,11 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
-from megatron_mecefo.integrations.common import UsageError, micro_batch, quiet_unless, usage_errors
-from megatron_mecefo.locks import file_lock
+from megatron_mecefo.integrations.common import (State, UsageError, arg_counters, data_prefixes, keep_training_set,
+                                                  lead_only_save, micro_batch, quiet_unless, usage_errors)
 
 __all__ = ["UsageError", "State", "STATE", "check_args", "wrap_initialize_distributed", "wrap_setup_model_and_optimizer",
            "wrap_train_step", "wrap_datasets", "wrap_save_checkpoint", "wrap_evaluate", "lead_only_output"]
-
-
-@dataclasses.dataclass
-class State:
-    """This rank's MeCeFO state inside one `pretrain()` call."""
-
-    cfg: Optional[MeCeFOConfig] = None
-    """None: --mecefo is off and every hook calls upstream unchanged."""
-    job: Optional[LaunchEnv] = None
-    engine: Any = None
-    """The MeCeFOEngine over upstream's DeepSpeed engine."""
-    train_ds: Any = None
-    """The training set (on tensor-parallel rank 0: the only rank that reads data upstream)."""
-    dp: int = 1
-    """The original data-parallel size (replicas)."""
-
-    @property
-    def active(self) -> bool:
-        return self.cfg is not None
-
-    def lead(self) -> bool:
-        """This rank's replica is the lowest live one: it saves and logs."""
-        rt = self.engine.runtime
-        return rt.grid.replica_of(rt.rank) == min(rt.plan_cover().live)
 
 
 STATE = State()
@@ -184,14 +158,8 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         model, optimizer, scheduler = original(provider, model_type, *a, **kw)  # loads --load on every rank
         engine = model[0]
 
-        def get_counters():
-            return {"iteration": args.iteration, "consumed_train_samples": args.consumed_train_samples,
-                    "consumed_valid_samples": args.consumed_valid_samples,
-                    "consumed_train_tokens": args.consumed_train_tokens}
-
-        def set_counters(counters):
-            for key, value in counters.items():
-                setattr(args, key, value)
+        counters = arg_counters(args, ("iteration", "consumed_train_samples", "consumed_valid_samples",
+                                       "consumed_train_tokens"))
 
         def save():
             from megatron.checkpointing import save_checkpoint
@@ -201,15 +169,15 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         engine.global_steps = args.iteration  # upstream's counter of record; equal after a DeepSpeed load
-        STATE.engine = attach_runtime(engine, cfg, STATE.job, tensor_parallel=args.tensor_model_parallel_size,
+        STATE.driver = attach_runtime(engine, cfg, STATE.job, tensor_parallel=args.tensor_model_parallel_size,
                                       pipeline_parallel=1, micro_batches=k, micro_batch_size=mb, backend=backend,
                                       train_iters=args.train_iters, save=save if args.save else None,
-                                      extra_state=(get_counters, set_counters),
+                                      extra_state=counters,
                                       module_state=(engine.module.state_dict_for_save_checkpoint,
                                                     engine.module.load_state_dict))
-        rt = STATE.engine.runtime
+        rt = STATE.driver.runtime
         if STATE.lead() and not rt.rejoined:
-            print(f" mecefo: job {rt.job_id} | {STATE.engine.recompute_note} | starting at iteration "
+            print(f" mecefo: job {rt.job_id} | {STATE.driver.recompute_note} | starting at iteration "
                   f"{args.iteration}", flush=True)
         return model, optimizer, scheduler
 
@@ -221,34 +189,19 @@ def index_cache_dir(args) -> Optional[str]:
     to the (first) data prefix."""
     if args.data_cache_path:
         return args.data_cache_path
-    prefixes = [p for p in (args.data_path or args.train_data_path or []) if not _is_number(p)]
+    prefixes = data_prefixes(args)
     return os.path.join(os.path.dirname(prefixes[0]), "index-cache") if prefixes else None
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
-
-
 def wrap_datasets(original: Callable) -> Callable:
-    """`megatron.training.build_train_valid_test_datasets`: keep the training set, from which a
-    covering rank draws a failed neighbour's micro-batches. Upstream builds missing index files on
-    rank 0, and every replica's rank 0 is a rank 0 here: they take turns under a file lock (one
-    machine; the later ones load what the first built)."""
+    """`megatron.training.build_train_valid_test_datasets`: keep the training set (common.keep_training_set)."""
 
-    def build_train_valid_test_datasets(*a, **kw):
+    def cache_dir():
         from megatron import get_args
 
-        cache = index_cache_dir(get_args()) if STATE.active else None
-        with file_lock(os.path.join(cache, ".mecefo-build.lock")) if cache else contextlib.nullcontext():
-            train_ds, valid_ds, test_ds = original(*a, **kw)
-        STATE.train_ds = train_ds
-        return train_ds, valid_ds, test_ds
+        return index_cache_dir(get_args())
 
-    return build_train_valid_test_datasets
+    return keep_training_set(original, STATE, cache_dir)
 
 
 # -- the step -------------------------------------------------------------------------------------
@@ -260,7 +213,7 @@ def wrap_train_step(original: Callable) -> Callable:
         from megatron import get_args
         from megatron.core import mpu
 
-        args, engine = get_args(), STATE.engine
+        args, engine = get_args(), STATE.driver
         if engine.global_steps != args.iteration:
             raise RuntimeError(f"DeepSpeed's global_steps {engine.global_steps} != Megatron's iteration {args.iteration}")
         k, mbs = engine.runtime.k, args.micro_batch_size
@@ -313,22 +266,10 @@ def wrap_evaluate(original: Callable, training_module) -> Callable:
 
 
 def wrap_save_checkpoint(original: Callable) -> Callable:
-    """`megatron.training.save_checkpoint`: one replica (the lowest live) writes; every replica
-    believes it is data-parallel rank 0, so more writers would write the same files."""
-
-    def save_checkpoint(*a, **kw):
-        if STATE.active and not STATE.lead():
-            return None
-        return original(*a, **kw)
-
-    return save_checkpoint
+    """`megatron.training.save_checkpoint`: one replica (the lowest live) writes (common.lead_only_save)."""
+    return lead_only_save(original, STATE)
 
 
 def lead_only_output(original: Callable) -> Callable:
     """Upstream's log functions print on the last rank of each replica: silence the others."""
     return quiet_unless(original, lambda: not STATE.active or STATE.lead())
-
-
-def close(finished: bool) -> None:
-    if STATE.engine is not None:
-        STATE.engine.runtime.close(finished=finished)

@@ -22,20 +22,12 @@ layers. What is refused, and why, is in training.check_args.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Callable
 
-from megatron_mecefo.config import MeCeFOConfig
-from megatron_mecefo.integrations.common import one_replica_at_a_time, run_job
+from megatron_mecefo.integrations.common import add_args, one_replica_at_a_time, wrap_pretrain
 
 __all__ = ["install", "add_args"]
-
-
-def add_args(parser):
-    """Megatron's `extra_args_provider`: the `--mecefo*` flags (the same as examples/pretrain_gpt)."""
-    MeCeFOConfig.add_cli_args(parser)
-    return parser
 
 
 def _helpers_dir() -> str:
@@ -67,14 +59,4 @@ def install(pretrain: Callable) -> Callable:
         training.evaluate_and_print_results = hooks.lead_only_output(training.evaluate_and_print_results)
         training._mecefo_installed = True
 
-    @functools.wraps(pretrain)
-    def run(*args, extra_args_provider=None, **kwargs):
-        def extra(parser):
-            parser = extra_args_provider(parser) if extra_args_provider is not None else parser
-            return add_args(parser)
-
-        return run_job(lambda: pretrain(*args, extra_args_provider=extra, **kwargs),
-                       mecefo_launcher=lambda: hooks.STATE.job is not None and hooks.STATE.job.mecefo_launcher,
-                       close=hooks.close)
-
-    return run
+    return wrap_pretrain(pretrain, hooks.STATE)

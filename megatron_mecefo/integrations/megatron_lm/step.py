@@ -60,10 +60,8 @@ class Step:
             start: the iteration this rank starts at (after `--load`); a restarted rank takes the
                 live one.
         """
-        runtime = ElasticRuntime(cfg, rank=job.rank, world=job.world, tensor_parallel=tensor_parallel,
-                                 pipeline_parallel=1, store_host=job.master_addr, store_port=job.master_port,
-                                 job_id=job.job_id, max_restarts=job.max_restarts, micro_batches=micro_batches,
-                                 incarnation=job.incarnation, soft_failures=not job.mecefo_launcher, backend=backend)
+        runtime = ElasticRuntime.for_job(cfg, job, tensor_parallel=tensor_parallel, pipeline_parallel=1,
+                                         micro_batches=micro_batches, backend=backend)
 
         def get_state():
             return {"model": [chunk.state_dict() for chunk in model], "optimizer": optimizer.state_dict(),

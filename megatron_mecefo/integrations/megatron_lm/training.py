@@ -27,16 +27,14 @@ reduces the DDP gradient buffers (`main_grad`) itself. The consequences, handled
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
-from megatron_mecefo.integrations.common import UsageError, micro_batch, quiet_unless, usage_errors
-from megatron_mecefo.locks import file_lock
+from megatron_mecefo.integrations.common import (State, UsageError, arg_counters, data_prefixes, keep_training_set,
+                                                  lead_only_save, micro_batch, quiet_unless, usage_errors)
 
 __all__ = ["UsageError", "State", "STATE", "SPEC", "check_args", "wrap_initialize_distributed",
            "wrap_setup_model_and_optimizer", "wrap_train_step", "wrap_datasets", "wrap_save_checkpoint",
@@ -44,30 +42,6 @@ __all__ = ["UsageError", "State", "STATE", "SPEC", "check_args", "wrap_initializ
 
 SPEC = ["megatron_mecefo.layers.specs", "mecefo_gpt_layer_spec"]
 """`--spec` of MeCeFO's GPT layer (Megatron-Core's local layer with the covering backward)."""
-
-
-@dataclasses.dataclass
-class State:
-    """This rank's MeCeFO state inside one `pretrain()` call."""
-
-    cfg: Optional[MeCeFOConfig] = None
-    """None: --mecefo is off and every hook calls upstream unchanged."""
-    job: Optional[LaunchEnv] = None
-    step: Any = None
-    """step.Step: the runtime and this rank's model, optimizer and scheduler."""
-    train_ds: Any = None
-    """The training set (on tensor-parallel rank 0: the only rank that reads data upstream)."""
-    dp: int = 1
-    """The original data-parallel size (replicas)."""
-
-    @property
-    def active(self) -> bool:
-        return self.cfg is not None
-
-    def lead(self) -> bool:
-        """This rank's replica is the lowest live one: it saves and logs."""
-        rt = self.step.runtime
-        return rt.grid.replica_of(rt.rank) == min(rt.plan_cover().live)
 
 
 STATE = State()
@@ -182,28 +156,21 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
             with usage_errors():
                 check_lowrank_rank(model[0], cfg.rank, key="--mecefo-rank")
 
-        counters = ("iteration", "consumed_train_samples", "consumed_valid_samples", "skipped_train_samples",
-                    "num_floating_point_operations_so_far")
-
-        def get_counters():
-            return {key: getattr(args, key) for key in counters if hasattr(args, key)}
-
-        def set_counters(values):
-            for key, value in values.items():
-                setattr(args, key, value)
+        counters = arg_counters(args, ("iteration", "consumed_train_samples", "consumed_valid_samples",
+                                       "skipped_train_samples", "num_floating_point_operations_so_far"))
 
         def save():
             save_checkpoint(args.iteration, model, optimizer, scheduler, args.num_floating_point_operations_so_far)
             return os.path.join(args.save, f"iter_{args.iteration:07d}")
 
         backend = args.distributed_backend
-        STATE.step = Step.attach(cfg, STATE.job, model, optimizer, scheduler, tensor_parallel=args.tensor_model_parallel_size,
+        STATE.driver = Step.attach(cfg, STATE.job, model, optimizer, scheduler, tensor_parallel=args.tensor_model_parallel_size,
                                  micro_batches=get_num_microbatches(), micro_batch_size=args.micro_batch_size,
                                  backend=backend, train_iters=args.train_iters, start=args.iteration,
-                                 save=save if args.save else None, counters=(get_counters, set_counters))
-        rt = STATE.step.runtime
+                                 save=save if args.save else None, counters=counters)
+        rt = STATE.driver.runtime
         if STATE.lead() and not rt.rejoined:
-            print(f" mecefo: job {rt.job_id} | {STATE.step.recompute_note} | starting at iteration "
+            print(f" mecefo: job {rt.job_id} | {STATE.driver.recompute_note} | starting at iteration "
                   f"{args.iteration}", flush=True)
         return model, optimizer, scheduler
 
@@ -211,39 +178,22 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
 
 
 def wrap_datasets(original: Callable) -> Callable:
-    """`megatron.training.training.build_train_valid_test_datasets`: keep the training set, from
-    which a covering rank draws a failed neighbour's micro-batches. Upstream builds missing index
-    files on rank 0, and every replica's rank 0 is a rank 0 here: they take turns under a file lock
-    (one machine; the later ones load what the first built)."""
+    """`megatron.training.training.build_train_valid_test_datasets`: keep the training set
+    (common.keep_training_set; the lock is in --data-cache-path, else next to the data)."""
 
-    def build_train_valid_test_datasets(*a, **kw):
+    def cache_dir() -> Optional[str]:
         from megatron.training import get_args
 
-        cache = _index_cache_dir(get_args()) if STATE.active else None
-        with file_lock(os.path.join(cache, ".mecefo-build.lock")) if cache else contextlib.nullcontext():
-            train_ds, valid_ds, test_ds = original(*a, **kw)
-        STATE.train_ds = train_ds
-        return train_ds, valid_ds, test_ds
+        args = get_args()
+        if args.mock_data:
+            return None
+        if args.data_cache_path:
+            os.makedirs(args.data_cache_path, exist_ok=True)
+            return args.data_cache_path
+        prefixes = data_prefixes(args)
+        return os.path.dirname(os.path.abspath(prefixes[0])) if prefixes else None
 
-    return build_train_valid_test_datasets
-
-
-def _index_cache_dir(args) -> Optional[str]:
-    if args.mock_data:
-        return None
-    if args.data_cache_path:
-        os.makedirs(args.data_cache_path, exist_ok=True)
-        return args.data_cache_path
-    prefixes = [p for p in (args.data_path or args.train_data_path or []) if not _is_number(p)]
-    return os.path.dirname(os.path.abspath(prefixes[0])) if prefixes else None
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
+    return keep_training_set(original, STATE, cache_dir)
 
 
 # -- the step -------------------------------------------------------------------------------------
@@ -257,7 +207,7 @@ def wrap_train_step(original: Callable) -> Callable:
         from megatron.core import mpu
         from megatron.training import get_args
 
-        args, step = get_args(), STATE.step
+        args, step = get_args(), STATE.driver
         k, mbs = step.runtime.k, args.micro_batch_size
         reads_data = mpu.get_tensor_model_parallel_rank() == 0  # the others receive it by broadcast
         if reads_data and STATE.train_ds is None:
@@ -308,22 +258,10 @@ def wrap_evaluate(original: Callable) -> Callable:
 
 
 def wrap_save_checkpoint(original: Callable) -> Callable:
-    """`megatron.training.training.save_checkpoint`: one replica (the lowest live) writes; every
-    replica believes it is data-parallel rank 0, so more writers would write the same files."""
-
-    def save_checkpoint(*a, **kw):
-        if STATE.active and not STATE.lead():
-            return None
-        return original(*a, **kw)
-
-    return save_checkpoint
+    """`megatron.training.training.save_checkpoint`: one replica (the lowest live) writes."""
+    return lead_only_save(original, STATE)
 
 
 def lead_only_output(original: Callable) -> Callable:
     """Upstream's log functions print on the last rank of each replica: silence the others."""
-    return quiet_unless(original, lambda: not STATE.active or STATE.step is None or STATE.lead())
-
-
-def close(finished: bool) -> None:
-    if STATE.step is not None:
-        STATE.step.runtime.close(finished=finished)
+    return quiet_unless(original, lambda: not STATE.active or STATE.driver is None or STATE.lead())
