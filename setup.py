@@ -36,6 +36,6 @@ setup(
         "mds": ["transformers>=4.40,<5", "six", "regex", "pybind11"],
         # what Megatron-LM's pretrain_gpt.py imports beyond torch and megatron-core (and triton, which
         # CUDA builds of torch bring)
-        "mlm": ["six", "regex", "pybind11"],
+        "mlm": ["six", "regex", "pybind11", "pyyaml"],
     },
 )
