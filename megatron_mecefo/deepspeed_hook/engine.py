@@ -34,7 +34,6 @@ PyTorch's documented APIs; that path is untested here (no GPU in CI).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import os
@@ -48,7 +47,6 @@ from megatron_mecefo.deepspeed_hook.checkpoint import load_checkpoint, restrict_
 from megatron_mecefo.elastic.bootstrap import init_distributed, param_digest
 from megatron_mecefo.elastic.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
-from megatron_mecefo.errors import MeCeFOError, ReplicaLost
 from megatron_mecefo.rng import rng_state, set_rng_state
 
 __all__ = ["initialize", "attach_runtime", "MeCeFOEngine", "init_distributed", "check_ds_config", "param_digest", "save_checkpoint",
@@ -166,19 +164,8 @@ class MeCeFOEngine:
     def _policy(self, mb: MicroBatch):
         return self.cfg.cover_policy(self.engine.global_steps) if (mb.covering and self.cfg.enable) else None
 
-    @contextlib.contextmanager
     def _replica_collectives(self):
-        """Collectives inside the replica (tensor/pipeline parallel) that fail mean a rank of this
-        replica crashed or hangs: the replica leaves the job (ReplicaLost)."""
-        try:
-            yield
-        except RuntimeError as e:
-            if not self.sharded or isinstance(e, MeCeFOError):
-                raise
-            self.runtime.events.write("replica_lost", step=self.engine.global_steps, error=str(e).splitlines()[0][-200:])
-            raise ReplicaLost(f"[rank {self.runtime.rank} step {self.engine.global_steps}] a collective of this "
-                              f"rank's replica failed ({str(e).splitlines()[0][-200:]}): the replica leaves the job "
-                              "and rejoins when its ranks are restarted") from e
+        return self.runtime.replica_collectives(self.engine.global_steps)
 
     def backward(self, loss: torch.Tensor, **kwargs):
         self.runtime.injector.maybe_fire(self.engine.global_steps, "backward")

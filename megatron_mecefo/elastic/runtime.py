@@ -26,6 +26,7 @@ It knows ranks and micro-batches, not layers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -46,7 +47,7 @@ from megatron_mecefo.elastic.membership import GenerationPlan, Membership, Orpha
 from megatron_mecefo.elastic.replica import mark_started
 from megatron_mecefo.elastic.topology import CoverPlan, Grid, plan_cover
 from megatron_mecefo.errors import (RETIRED_EXIT_CODE, GaveUp, IncompleteStep, JobAborted, JobFinished, MeCeFOError,
-                                    NoCoverAvailable, NotAMember)
+                                    NoCoverAvailable, NotAMember, ReplicaLost)
 from megatron_mecefo.log import EventLog, RankPrefix
 from megatron_mecefo.params import GradGroup, grad_group
 
@@ -309,6 +310,21 @@ class ElasticRuntime:
     def plan_cover(self) -> CoverPlan:
         """The current generation's cover plan."""
         return self._cover
+
+    @contextlib.contextmanager
+    def replica_collectives(self, step: int):
+        """Collectives inside this rank's replica (tensor/pipeline parallel) run in the block: one that
+        fails means a rank of the replica crashed or hangs, and the replica leaves the job
+        (ReplicaLost; it rejoins once its ranks are restarted). A no-op with T = P = 1."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.grid.tp * self.grid.pp == 1 or isinstance(e, MeCeFOError):
+                raise
+            first = str(e).splitlines()[0][-200:] if str(e) else type(e).__name__
+            self.events.write("replica_lost", step=step, error=first)
+            raise ReplicaLost(f"[rank {self.rank} step {step}] a collective of this rank's replica failed ({first}): "
+                              "the replica leaves the job and rejoins when its ranks are restarted") from e
 
     def report_error(self, error: BaseException) -> None:
         """Latch a failure seen during the step; later collectives of the step are skipped."""

@@ -24,7 +24,6 @@ from megatron_mecefo.approx import covering
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.elastic.bootstrap import param_digest
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
-from megatron_mecefo.errors import MeCeFOError, ReplicaLost
 from megatron_mecefo.rng import rng_state, set_rng_state
 
 __all__ = ["Step"]
@@ -39,7 +38,6 @@ class Step:
         self.model = model
         self.optimizer = optimizer
         self.micro_batch_size = micro_batch_size
-        self.sharded = runtime.grid.tp * runtime.grid.pp > 1
         self.recompute_note = cfg.recompute_note(live_microbatches=1)  # the schedule runs them one at a time
         runtime.events.write("config", recompute=self.recompute_note)
         self.last_loss: Optional[float] = None
@@ -112,7 +110,7 @@ class Step:
                 record["param_sha256"] = param_digest(torch.nn.ModuleList(model))
             self._record = record
             data = batches(plan)
-            with self._replica_collectives(iteration):
+            with self.runtime.replica_collectives(iteration):
                 out = train_step(self._forward_step(forward_step_func, plan, iteration),
                                  RerunDataIterator(data) if data is not None else None, model,
                                  _Gate(optimizer, self), scheduler, config,
@@ -187,31 +185,6 @@ class Step:
             return self.optimizer.param_groups[0]["lr"]
         except Exception:
             return None
-
-    def _replica_collectives(self, step: int):
-        return _ReplicaCollectives(self, step)
-
-
-class _ReplicaCollectives:
-    """A collective inside the replica (tensor parallel) that fails means a rank of this replica
-    crashed or hangs: the replica leaves the job (ReplicaLost) and rejoins once restarted."""
-
-    def __init__(self, owner: Step, step: int) -> None:
-        self.owner, self.step = owner, step
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, tb):
-        if error is None or not isinstance(error, RuntimeError) or isinstance(error, MeCeFOError):
-            return False
-        if not self.owner.sharded:
-            return False
-        rt = self.owner.runtime
-        first = str(error).splitlines()[0][-200:] if str(error) else type(error).__name__
-        rt.events.write("replica_lost", step=self.step, error=first)
-        raise ReplicaLost(f"[rank {rt.rank} step {self.step}] a collective of this rank's replica failed ({first}): "
-                          "the replica leaves the job and rejoins when its ranks are restarted") from error
 
 
 class _Gate:
