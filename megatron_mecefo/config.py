@@ -15,12 +15,11 @@ import os
 from typing import Any, Mapping, Optional
 
 from megatron_mecefo.approx.mode import SVD_METHODS, CoverPolicy
+from megatron_mecefo.elastic.inject import parse_rules, parse_trace
 
 __all__ = ["MeCeFOConfig", "LaunchEnv", "prepare_nccl_error_handling", "RECOMPUTE_CHOICES", "APPROXIMATE_CHOICES"]
 
 RECOMPUTE_CHOICES = ("auto", "always", "never")
-INJECT_KINDS = ("kill", "hang")
-INJECT_PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "join", "transfer", "admit")
 APPROXIMATE_CHOICES = ("all", "adopted")
 
 
@@ -127,10 +126,12 @@ class MeCeFOConfig:
     """Record a SHA-256 of the parameters at the start of every step in steps_rank{R}.jsonl, to
     check that replicas stay bit-identical (costs one pass over the parameters per step)."""
     inject: tuple = ()
-    """Failure injection for tests and demos: a list of {"kind": "kill"|"hang", "rank": R,
+    """Failure injection for tests and demos: a list of {"kind": "kill"|"hang"|"hold", "rank": R,
     "step": S (or "*": any step), "phase": "forward"|"backward"|"allreduce"|"optimizer"|"recovery"|
-    "join"|"transfer"|"admit", "incarnation": I (default 0: the first start)}. CLI: --mecefo-inject
-    kill:RANK:STEP[:PHASE[:INCARNATION]] (repeatable). A rank outside the job is refused at start."""
+    "join"|"transfer"|"admit", "incarnation": I (default 0: the first start)}; "hold" makes every
+    rank wait at the start of step S until incarnation I (default 1) of rank R asks to rejoin.
+    CLI: --mecefo-inject kill|hang:RANK:STEP[:PHASE[:INCARNATION]] or hold:RANK:STEP[:INCARNATION]
+    (repeatable). A rank outside the job is refused at start (formats: elastic/inject.py)."""
 
     trace: Optional[dict] = None
     """Trace-driven failures: {"mtbf_steps": M, "recovery_steps": R, "seed": S} (job-wide mean steps
@@ -162,9 +163,9 @@ class MeCeFOConfig:
             )
         if self.log_dir is not None and not isinstance(self.log_dir, str):
             raise ValueError(f"{self._where('log_dir')} must be a path string, got {self.log_dir!r}")
-        self.inject = tuple(self._parse_inject(self.inject))
+        self.inject = tuple(parse_rules(self.inject, self._where("inject")))
         if self.trace is not None:
-            self.trace = self._parse_trace(self.trace)
+            self.trace = parse_trace(self.trace, self._where("trace"))
 
     # -- validation -------------------------------------------------------------------------------
 
@@ -188,78 +189,6 @@ class MeCeFOConfig:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{self._where(key)} must be a number > 0, got {value!r}")
         setattr(self, key, float(value))
-
-    def _parse_trace(self, trace) -> dict:
-        from megatron_mecefo.elastic.inject import PAPER_SCENARIOS
-
-        where = self._where("trace")
-        if not isinstance(trace, dict):
-            raise ValueError(f"{where} must be an object, got {trace!r}")
-        trace = dict(trace)
-        if "events" in trace:  # a recorded / hand-made trace: [[rank, fail_step, rejoin_step], ...]
-            events = trace.pop("events")
-            if trace or not isinstance(events, list) or not all(
-                isinstance(e, (list, tuple)) and len(e) == 3 and all(isinstance(x, int) and x >= 0 for x in e) and e[2] > e[1]
-                for e in events
-            ):
-                raise ValueError(f'{where}: "events" must be a list of [rank, fail_step, rejoin_step] with rejoin > fail, alone')
-            return {"events": [list(e) for e in events]}
-        seed = trace.pop("seed", 0)
-        if "scenario" in trace:
-            scenario, per_hour = trace.pop("scenario"), trace.pop("steps_per_hour", None)
-            if scenario not in PAPER_SCENARIOS:
-                raise ValueError(f"{where}: scenario must be one of {tuple(PAPER_SCENARIOS)}, got {scenario!r}")
-            if isinstance(per_hour, bool) or not isinstance(per_hour, (int, float)) or per_hour <= 0:
-                raise ValueError(f"{where}: steps_per_hour must be a number > 0 with a scenario, got {per_hour!r}")
-            mtbf_h, recovery_h = PAPER_SCENARIOS[scenario]
-            trace.update(mtbf_steps=mtbf_h * per_hour, recovery_steps=max(1, round(recovery_h * per_hour)))
-        unknown = set(trace) - {"mtbf_steps", "recovery_steps"}
-        if unknown or not {"mtbf_steps", "recovery_steps"} <= set(trace):
-            raise ValueError(f'{where} needs "mtbf_steps" and "recovery_steps" (or "scenario" + "steps_per_hour"); got {sorted(trace)}')
-        m, r = trace["mtbf_steps"], trace["recovery_steps"]
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or m <= 0:
-            raise ValueError(f"{where}: mtbf_steps must be > 0, got {m!r}")
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise ValueError(f"{where}: recovery_steps must be an integer >= 1, got {r!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"{where}: seed must be an integer, got {seed!r}")
-        return {"mtbf_steps": float(m), "recovery_steps": r, "seed": seed}
-
-    def _parse_inject(self, rules) -> list:
-        if isinstance(rules, (str, dict)):
-            rules = [rules]
-        out = []
-        for rule in rules:
-            if isinstance(rule, str):  # CLI form kind:rank:step[:phase[:incarnation]]
-                parts = rule.split(":")
-                if len(parts) not in (3, 4, 5):
-                    raise ValueError(f"{self._where('inject')}: {rule!r} is not kind:rank:step[:phase[:incarnation]]")
-                rule = dict(zip(("kind", "rank", "step", "phase", "incarnation"), parts))
-                try:
-                    rule["rank"] = int(rule["rank"])
-                    rule["step"] = "*" if rule["step"] == "*" else int(rule["step"])
-                    if "incarnation" in rule:
-                        rule["incarnation"] = int(rule["incarnation"])
-                except ValueError:
-                    raise ValueError(f"{self._where('inject')}: rank, step (or *) and incarnation of {parts} must be integers") from None
-            if not isinstance(rule, dict):
-                raise ValueError(f"{self._where('inject')} entries must be objects, got {rule!r}")
-            unknown = set(rule) - {"kind", "rank", "step", "phase", "incarnation"}
-            if unknown:
-                raise ValueError(f"{self._where('inject')}: unknown field(s) {sorted(unknown)} in {rule!r}")
-            rule = {"phase": "backward", "incarnation": 0, **rule}
-            if rule.get("kind") not in INJECT_KINDS:
-                raise ValueError(f"{self._where('inject')}: kind must be one of {INJECT_KINDS}, got {rule.get('kind')!r}")
-            if rule["phase"] not in INJECT_PHASES:
-                raise ValueError(f"{self._where('inject')}: phase must be one of {INJECT_PHASES}, got {rule['phase']!r}")
-            for f in ("rank", "step", "incarnation"):
-                v = rule.get(f)
-                if f == "step" and v == "*":
-                    continue
-                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                    raise ValueError(f"{self._where('inject')}: {f} must be an integer >= 0, got {v!r}")
-            out.append(rule)
-        return out
 
     def _check_choice(self, key: str, choices) -> None:
         value = getattr(self, key)
@@ -326,9 +255,10 @@ class MeCeFOConfig:
         g.add_argument("--mecefo-log-dir", default=None, help="directory of the JSONL logs")
         g.add_argument("--mecefo-log-param-hash", action="store_true", default=None,
                        help="record a hash of the parameters at every step (replica identity checks)")
-        g.add_argument("--mecefo-inject", action="append", default=None, metavar="KIND:RANK:STEP[:PHASE[:INCARNATION]]",
-                       help="inject a failure: kill|hang rank RANK at step STEP (* = any) in phase (backward) of "
-                            "incarnation (0)")
+        g.add_argument("--mecefo-inject", action="append", default=None, metavar="RULE",
+                       help="inject a failure: kill|hang:RANK:STEP[:PHASE[:INCARNATION]] (STEP * = any; phase "
+                            "backward, incarnation 0 by default), or hold:RANK:STEP[:INCARNATION]: every rank waits "
+                            "at STEP until that restarted incarnation (1) of RANK asks to rejoin")
         g.add_argument("--mecefo-trace", type=json.loads, default=None, metavar="JSON",
                        help='trace-driven failures, e.g. \'{"scenario": "high", "steps_per_hour": 20}\'')
         return parser

@@ -12,13 +12,21 @@
 * launch.py     mecefo-launch; store_daemon.py for other launchers
 """
 
-from megatron_mecefo.elastic.fold import Fold, MicroBatch, fold_neighbor, sample_range
-from megatron_mecefo.elastic.inject import FaultInjector
-from megatron_mecefo.elastic.reference import reference_gradient
-from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
-from megatron_mecefo.elastic.topology import CoverPlan, Grid, plan_cover
+import importlib
 
-__all__ = [
-    "CoverPlan", "ElasticRuntime", "FaultInjector", "Fold", "Grid", "MicroBatch", "StepPlan",
-    "fold_neighbor", "plan_cover", "reference_gradient", "sample_range",
-]
+# Lazy (PEP 562), so that importing one module of the package (config.py imports inject.py) does
+# not import the runtime, which imports config.
+_EXPORTS = {
+    "CoverPlan": "topology", "Grid": "topology", "plan_cover": "topology",
+    "Fold": "fold", "MicroBatch": "fold", "fold_neighbor": "fold", "sample_range": "fold",
+    "FaultInjector": "inject", "reference_gradient": "reference",
+    "ElasticRuntime": "runtime", "StepPlan": "runtime",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"megatron_mecefo.elastic.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'megatron_mecefo.elastic' has no attribute {name!r}")

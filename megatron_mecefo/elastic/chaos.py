@@ -46,7 +46,8 @@ _REJOIN_PHASES = ("join", "transfer", "forward", "allreduce")
 @dataclasses.dataclass(frozen=True)
 class Fault:
     kind: str
-    """"kill" (SIGKILL) or "hang" (SIGSTOP)."""
+    """"kill" (SIGKILL), "hang" (SIGSTOP), or "hold" (every rank waits at `step` until incarnation
+    `incarnation` of `rank` asks to rejoin: a later fault keyed to the rejoin fires on any machine)."""
     rank: int
     step: Union[int, str]
     """The step it fires at, or "*" (the first time the rank reaches `phase`)."""
@@ -54,6 +55,8 @@ class Fault:
     incarnation: int = 0
 
     def flag(self) -> str:
+        if self.kind == "hold":
+            return f"hold:{self.rank}:{self.step}:{self.incarnation}"
         text = f"{self.kind}:{self.rank}:{self.step}:{self.phase}"
         return text + (f":{self.incarnation}" if self.incarnation else "")
 

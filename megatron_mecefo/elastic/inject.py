@@ -11,6 +11,12 @@ incarnation it names (0, the first start, by default; a restarted rank does not 
 unless a rule names its incarnation) at its step, or at any step with step "*":
 "kill" is SIGKILL (a crash), "hang" is SIGSTOP (alive but silent, heartbeat frozen).
 
+"hold" makes the job wait for a restarted rank instead of for the clock: every member waits at the
+start of the named step until the named incarnation (default 1; 0 for a rank that started too late
+for the first generation) of the named rank has asked to join, so a test or demo that needs a
+rejoin, or a fault during one, gets it on any machine, however long a process takes to start. The
+commit of that step admits the rank.
+
 Under a launcher that kills every rank when one exits non-zero (the `deepspeed` launcher), the
 injector is built with `soft=True`: "kill" ends the process at once with status 0 (`os._exit`, no
 cleanup: peers see the same closed connections as after a crash) and "hang" stops the heartbeat
@@ -28,12 +34,17 @@ import signal
 import sys
 from typing import Iterable, List, Mapping, Optional, Sequence
 
-__all__ = ["FaultInjector", "PHASES", "TraceEvent", "failure_trace", "trace_from_events", "PAPER_SCENARIOS",
-           "check_rules", "check_trace", "job_trace", "REJOIN_SLACK"]
+__all__ = ["FaultInjector", "KINDS", "PHASES", "TraceEvent", "failure_trace", "trace_from_events", "PAPER_SCENARIOS",
+           "check_rules", "check_trace", "job_trace", "parse_rules", "parse_trace", "REJOIN_SLACK", "RULE_FORMAT"]
 
 logger = logging.getLogger(__name__)
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "join", "transfer", "admit")
+"""Where a kill or hang fires (see the module docstring)."""
+
+KINDS = ("kill", "hang", "hold")
+
+RULE_FORMAT = "kill|hang:RANK:STEP[:PHASE[:INCARNATION]] or hold:RANK:STEP[:INCARNATION]"
 
 PAPER_SCENARIOS = {"low": (2.0, 4.0), "medium": (1.0, 3.0), "high": (0.5, 2.0)}
 """The paper's failure scenarios: (mean time between failures, recovery time) in hours."""
@@ -174,6 +185,99 @@ def job_trace(trace: Mapping, world: int, total_steps: int, max_restarts: Option
                          max_restarts=max_restarts)
 
 
+# -- configuration: the rule and trace formats (composed by MeCeFOConfig) ---------------------------
+
+
+def parse_rules(rules, where: str = 'mecefo "inject"') -> List[dict]:
+    """Validate injection rules: dicts {"kind", "rank", "step" (int or "*"), "phase", "incarnation"}
+    or CLI strings in RULE_FORMAT. Returns normalized dicts (phase "backward" and incarnation 0 by
+    default; a hold's incarnation defaults to 1, its phase is "forward": the start of the step).
+
+    Raises:
+        ValueError: naming `where` (the ds_config key and flag) and the bad rule.
+    """
+    if isinstance(rules, (str, dict)):
+        rules = [rules]
+    out = []
+    for rule in rules:
+        if isinstance(rule, str):
+            parts = rule.split(":")
+            fields = ("kind", "rank", "step", "incarnation") if parts[0] == "hold" else \
+                ("kind", "rank", "step", "phase", "incarnation")
+            if not 3 <= len(parts) <= len(fields):
+                raise ValueError(f"{where}: {rule!r} is not {RULE_FORMAT}")
+            rule = dict(zip(fields, parts))
+            try:
+                rule["rank"] = int(rule["rank"])
+                rule["step"] = "*" if rule["step"] == "*" else int(rule["step"])
+                if "incarnation" in rule:
+                    rule["incarnation"] = int(rule["incarnation"])
+            except ValueError:
+                raise ValueError(f"{where}: rank, step (or *) and incarnation of {parts} must be integers") from None
+        if not isinstance(rule, dict):
+            raise ValueError(f"{where} entries must be objects, got {rule!r}")
+        unknown = set(rule) - {"kind", "rank", "step", "phase", "incarnation"}
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {sorted(unknown)} in {rule!r}")
+        if rule.get("kind") not in KINDS:
+            raise ValueError(f"{where}: kind must be one of {KINDS}, got {rule.get('kind')!r}")
+        hold = rule["kind"] == "hold"
+        rule = {"phase": "forward" if hold else "backward", "incarnation": 1 if hold else 0, **rule}
+        if rule["phase"] not in PHASES:
+            raise ValueError(f"{where}: phase must be one of {PHASES}, got {rule['phase']!r}")
+        if hold and rule["step"] == "*":
+            raise ValueError(f"{where}: a hold names a step, got {rule!r}")
+        for f in ("rank", "step", "incarnation"):
+            v = rule.get(f)
+            if f == "step" and v == "*":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{where}: {f} must be an integer >= 0, got {v!r}")
+        out.append(rule)
+    return out
+
+
+def parse_trace(trace, where: str = 'mecefo "trace"') -> dict:
+    """Validate a trace: {"events": [[rank, fail_step, rejoin_step], ...]}, {"mtbf_steps": M,
+    "recovery_steps": R, "seed": S}, or {"scenario": "low"|"medium"|"high", "steps_per_hour": H,
+    "seed": S} (the paper's rates). Returns the normalized dict.
+
+    Raises:
+        ValueError: naming `where` and what is wrong.
+    """
+    if not isinstance(trace, dict):
+        raise ValueError(f"{where} must be an object, got {trace!r}")
+    trace = dict(trace)
+    if "events" in trace:  # a recorded / hand-made trace: [[rank, fail_step, rejoin_step], ...]
+        events = trace.pop("events")
+        if trace or not isinstance(events, list) or not all(
+            isinstance(e, (list, tuple)) and len(e) == 3 and all(isinstance(x, int) and x >= 0 for x in e) and e[2] > e[1]
+            for e in events
+        ):
+            raise ValueError(f'{where}: "events" must be a list of [rank, fail_step, rejoin_step] with rejoin > fail, alone')
+        return {"events": [list(e) for e in events]}
+    seed = trace.pop("seed", 0)
+    if "scenario" in trace:
+        scenario, per_hour = trace.pop("scenario"), trace.pop("steps_per_hour", None)
+        if scenario not in PAPER_SCENARIOS:
+            raise ValueError(f"{where}: scenario must be one of {tuple(PAPER_SCENARIOS)}, got {scenario!r}")
+        if isinstance(per_hour, bool) or not isinstance(per_hour, (int, float)) or per_hour <= 0:
+            raise ValueError(f"{where}: steps_per_hour must be a number > 0 with a scenario, got {per_hour!r}")
+        mtbf_h, recovery_h = PAPER_SCENARIOS[scenario]
+        trace.update(mtbf_steps=mtbf_h * per_hour, recovery_steps=max(1, round(recovery_h * per_hour)))
+    unknown = set(trace) - {"mtbf_steps", "recovery_steps"}
+    if unknown or not {"mtbf_steps", "recovery_steps"} <= set(trace):
+        raise ValueError(f'{where} needs "mtbf_steps" and "recovery_steps" (or "scenario" + "steps_per_hour"); got {sorted(trace)}')
+    m, r = trace["mtbf_steps"], trace["recovery_steps"]
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or m <= 0:
+        raise ValueError(f"{where}: mtbf_steps must be > 0, got {m!r}")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"{where}: recovery_steps must be an integer >= 1, got {r!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"{where}: seed must be an integer, got {seed!r}")
+    return {"mtbf_steps": float(m), "recovery_steps": r, "seed": seed}
+
+
 class FaultInjector:
     """Kill or hang this process at an exact (rank, step, phase)."""
 
@@ -186,15 +290,23 @@ class FaultInjector:
         self.events = None  # an EventLog: the firing time is recorded before the signal
 
     def _add(self, kind: str, rank: int, step, phase: str, incarnation: int = 0) -> "FaultInjector":
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         self.rules.append({"kind": kind, "rank": rank, "step": step, "phase": phase, "incarnation": incarnation})
         return self
 
-    def add_trace(self, events: Iterable[TraceEvent], phase: str = "backward") -> "FaultInjector":
-        """Kill each event's rank at its fail step, in the incarnation the event names."""
+    def add_trace(self, events: Iterable[TraceEvent], phase: str = "backward",
+                  hold_until: Optional[int] = None) -> "FaultInjector":
+        """Kill each event's rank at its fail step, in the incarnation the event names. With
+        `hold_until` (the job's length, when the launcher restarts failed ranks), the job also
+        waits at each rejoin step before it for the restarted rank, so the trace plays out as
+        written however long a restart takes."""
         for e in events:
             self._add("kill", e.rank, e.fail_step, phase, e.incarnation)
+            if hold_until is not None and e.rejoin_step < hold_until:
+                self.hold_at(e.rank, e.rejoin_step, e.incarnation + 1)
         return self
 
     def kill_at(self, rank: int, step, phase: str = "backward", incarnation: int = 0) -> "FaultInjector":
@@ -211,10 +323,18 @@ class FaultInjector:
             inj._add(r["kind"], int(r["rank"]), step, r.get("phase", "backward"), int(r.get("incarnation", 0)))
         return inj
 
+    def hold_at(self, rank: int, step: int, incarnation: int = 1) -> "FaultInjector":
+        """Every member waits at the start of `step` until `incarnation` of `rank` asks to rejoin."""
+        return self._add("hold", rank, step, "forward", incarnation)
+
+    def holds(self, step: int) -> List[tuple]:
+        """(rank, incarnation) of the restarted ranks the job waits for at the start of `step`."""
+        return [(r["rank"], r["incarnation"]) for r in self.rules if r["kind"] == "hold" and r["step"] == step]
+
     def maybe_fire(self, step: int, phase: str) -> None:
         for rule in self.rules:
-            if (rule["rank"], rule["phase"], rule["incarnation"]) == (self.rank, phase, self.incarnation) \
-                    and rule["step"] in (step, "*"):
+            if rule["kind"] != "hold" and rule["step"] in (step, "*") and \
+                    (rule["rank"], rule["phase"], rule["incarnation"]) == (self.rank, phase, self.incarnation):
                 msg = f"[mecefo inject] rank {self.rank}: {rule['kind']} at step {step} ({phase})"
                 print(msg, file=sys.stderr, flush=True)
                 if self.events is not None:

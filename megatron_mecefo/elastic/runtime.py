@@ -208,7 +208,7 @@ class ElasticRuntime:
             raise ValueError('mecefo "trace" needs tensor and pipeline parallel size 1 (use "inject" rules with '
                              "tensor or pipeline parallelism)")
         self.trace = job_trace(self.cfg.trace, self.world, total_steps, self.max_restarts)
-        self.injector.add_trace(self.trace)
+        self.injector.add_trace(self.trace, hold_until=total_steps if self.max_restarts else None)
 
     def _wait_for_rejoin_step(self) -> None:
         """A rank restarted by a trace stays down until its event's rejoin step."""
@@ -254,6 +254,7 @@ class ElasticRuntime:
                 self.log.warning("not in the first generation; joining at the next step boundary")
         t0 = time.monotonic()
         self._wait_for_rejoin_step()
+        self.store.set(f"rejoining/{self.rank}/{self.incarnation}", "1")  # what "hold" rules wait for
         generation = self.membership.request_join(self._t_start + self.cfg.join_timeout_s)
         self.injector.maybe_fire(int(self.store.add("job/progress", 0)), "join")
         candidates = [int(x) for x in self.store.get(f"gen{generation}/candidates").decode().split(",")]
@@ -294,10 +295,28 @@ class ElasticRuntime:
             generation, candidates = self._pending
             self._pending = None
             self._guarded(self._regroup, generation, candidates)
+        self._hold()
         self._error = None
         self._error_time = self._error_wall = None
         self._ran = None
         self._t_step = time.monotonic()
+
+    def _hold(self) -> None:
+        """Injected holds ("hold" rules): wait until each named restarted incarnation has asked to
+        rejoin, so that this step's commit admits it (tests key rejoins to steps, not to the clock)."""
+        for rank, incarnation in self.injector.holds(self.step):
+            key = f"rejoining/{rank}/{incarnation}"
+            deadline = time.monotonic() + self.cfg.join_timeout_s
+            t0 = time.monotonic()
+            while not self.store.check([key]):
+                self.membership.check_job()
+                if time.monotonic() > deadline:
+                    self.log.warning("hold: incarnation %d of rank %d did not ask to rejoin within join_timeout_s; "
+                                     "going on", incarnation, rank)
+                    break
+                time.sleep(0.05)
+            self.events.write("hold", step=self.step, rank_awaited=rank, incarnation=incarnation,
+                              waited_s=time.monotonic() - t0)
 
     def plan(self) -> StepPlan:
         replica = self.grid.replica_of(self.rank)

@@ -108,26 +108,30 @@ def test_checker_accepts_only_real_give_ups(tmp_path):
 
 from tests.elastic import chaos_util  # noqa: E402
 
+def _hold(rank, step, incarnation=1):
+    """The job waits at `step` for that restarted incarnation: keyed to the rejoin, not the clock."""
+    return Fault("hold", rank, step, "forward", incarnation)
+
+
 REGRESSIONS = {
     # The compound-failure reproducer, on the toy: rank 0 is killed and restarted; rank 2 hangs while
-    # rank 0 waits to be admitted; rank 3 dies right after the agreement of the generation that
-    # admits rank 0. Before the fix, the next generation took rank 0 in without the state (step 0)
-    # and the job deadlocked on two different commit keys.
-    # Steps take 0.5 s (1 s while covering): rank 0 restarts 3.5 s after its kill at step 8 and
-    # announces itself 1-2 s later, during the ~4.5 s recovery from the hang at step 12 (entered
-    # ~4.5 s after the kill), so the commit of step 12 admits it and rank 3 dies at step 13.
+    # rank 0 waits to be admitted (the job holds at step 12 until rank 0 has asked to rejoin, so
+    # the recovery from the hang happens with a joiner waiting); rank 3 dies right after the
+    # agreement of the generation that admits rank 0. Before the fix, the next generation took
+    # rank 0 in without the state (step 0) and the job deadlocked on two different commit keys.
     "joiner_caught_in_a_recovery": Schedule(1001, 4, 24, (
-        Fault("kill", 0, 8, "optimizer"), Fault("hang", 2, 12, "allreduce"), Fault("kill", 3, 13, "recovery")), 3.5),
+        Fault("kill", 0, 8, "optimizer"), _hold(0, 12), Fault("hang", 2, 12, "allreduce"),
+        Fault("kill", 3, 13, "recovery")), 0.5),
     # A member that is not the donor dies while the state goes to a restarted rank.
     "member_dies_mid_transfer": Schedule(1007, 4, 24, (
-        Fault("kill", 1, 3, "backward"), Fault("kill", 3, "*", "transfer")), 0.5),
+        Fault("kill", 1, 3, "backward"), _hold(1, 6), Fault("kill", 3, "*", "transfer")), 0.5),
     # The donor dies while it sends the state to a restarted rank: the others form a new generation
     # and the next donor sends it (before the fix the receivers crashed).
     "donor_dies_mid_transfer": Schedule(1002, 3, 24, (
-        Fault("kill", 1, 3, "backward"), Fault("kill", 0, "*", "transfer")), 0.5),
+        Fault("kill", 1, 3, "backward"), _hold(1, 6), Fault("kill", 0, "*", "transfer")), 0.5),
     # The restarted rank itself dies while it receives the state; then comes back once more.
     "joiner_dies_mid_transfer": Schedule(1003, 3, 24, (
-        Fault("kill", 2, 3, "allreduce"), Fault("kill", 2, "*", "transfer", 1)), 0.5),
+        Fault("kill", 2, 3, "allreduce"), _hold(2, 6), Fault("kill", 2, "*", "transfer", 1), _hold(2, 14, 2)), 0.5),
     # The deciding rank and its covering neighbour fail together, during the recovery.
     "decider_and_cover_together": Schedule(1004, 4, 24, (
         Fault("kill", 0, 5, "allreduce"), Fault("hang", 1, 5, "recovery")), 1.0),
@@ -147,7 +151,7 @@ REGRESSIONS = {
     # The last rank with the state dies right after its commit decision admits a restarted rank:
     # nobody can send the joiner the state, so it ends the job (StateLost) instead of waiting.
     "state_lost_when_the_admitting_rank_dies": Schedule(1006, 2, 24, (
-        Fault("kill", 1, 2, "backward"), Fault("kill", 0, "*", "admit")), 0.3),
+        Fault("kill", 1, 2, "backward"), _hold(1, 5), Fault("kill", 0, "*", "admit")), 0.3),
 }
 
 
@@ -161,14 +165,18 @@ def toy_references(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(REGRESSIONS))
 def test_compound_schedule(tmp_path, toy_references, name):
     schedule = REGRESSIONS[name]
-    slow = name == "joiner_caught_in_a_recovery"  # the restart must come during a recovery
-    outcome, bad, result = chaos_util.run_toy(schedule, tmp_path, toy_references[schedule.world],
-                                              step_sleep=0.25 if slow else chaos_util.TOY["step_sleep"])
+    outcome, bad, result = chaos_util.run_toy(schedule, tmp_path, toy_references[schedule.world])
     assert not bad, f"{schedule.describe()}\n" + "\n".join(bad) + "\n" + result.stderr[-4000:]
     fired = result.stderr.count("[mecefo inject]")
+    holds = [f for f in schedule.faults if f.kind == "hold"]
+    waited = chaos.events(tmp_path, schedule.world, "hold")
+    assert {(e["rank_awaited"], e["incarnation"]) for e in waited} == {(f.rank, f.incarnation) for f in holds}
     if name == "joiner_caught_in_a_recovery":
-        assert outcome == "finished"
+        assert outcome == "finished" and fired == 3
         assert "rank 3: kill at step 13 (recovery)" in result.stderr, "the admission generation lost a member"
+        # the recovery from the hang ran while rank 0 waited to be admitted
+        recovered = [e for e in chaos.events(tmp_path, 4, "regroup") if e["step"] == 12 and e["generation"] > 1]
+        assert recovered and all(0 not in e["members"] for e in recovered)
         rejoined = [e for e in chaos.events(tmp_path, 4, "regroup") if e["rank"] == 0 and e["joiners"] == [0]]
         assert [e["step"] for e in rejoined] == [13], "rank 0 got the state of step 13 before it trained"
     elif name in ("donor_dies_mid_transfer", "joiner_dies_mid_transfer", "member_dies_mid_transfer"):
@@ -193,4 +201,4 @@ def test_compound_schedule(tmp_path, toy_references, name):
         kinds = {e["kind"] for e in chaos.events(tmp_path, 2, "gave_up")}
         assert "StateLost" in kinds, kinds
     else:
-        assert outcome == "finished" and fired == len(schedule.faults)
+        assert outcome == "finished" and fired == len(schedule.faults) - len(holds)

@@ -142,11 +142,13 @@ def test_failure_during_recovery(tmp_path, references):
 
 
 def test_rejoin_after_restart(tmp_path, references):
-    proc, _ = launch(tmp_path, 3, "--mecefo-inject", "kill:1:2:backward", "--step-sleep", "0.15", restart_after=0.5)
+    # the job holds at step 7 until rank 1 is back, however long its restart takes; step 7's commit admits it
+    proc, _ = launch(tmp_path, 3, "--mecefo-inject", "kill:1:2:backward", "--mecefo-inject", "hold:1:7",
+                     restart_after=0.5)
     records = check_run(tmp_path, 3, [0, 1, 2], references[3], proc)
     gens = [sorted(r["rank"] for r in records[s]) for s in range(STEPS)]
-    assert gens[3] == [0, 2], "degraded after the crash"
-    assert gens[-1] == [0, 1, 2], "the restarted rank is back"
+    assert gens[2:8] == [[0, 2]] * 6, "degraded from the crash until the hold's step"
+    assert gens[8:] == [[0, 1, 2]] * 2, "the restarted rank is back from the step after the hold"
     assert not any(r["degraded"] for r in records[STEPS - 1]), "covering stopped"
     events = [json.loads(l) for l in (tmp_path / "events_rank1.jsonl").read_text().splitlines()]
     assert any(e["event"] == "rejoined" for e in events)
@@ -189,12 +191,12 @@ def test_trace_driven_failures_and_rejoins(tmp_path):
 
 def test_a_late_starter_joins_instead_of_blocking_the_start(tmp_path, references):
     # rank 2 starts after the agreement deadline of generation 0: the others start without it
-    proc, _ = launch(tmp_path, 3, "--late-rank", "2", "--late-by", "7", "--step-sleep", "0.2",
-                     "--mecefo-agree-timeout-s", "5")
+    proc, _ = launch(tmp_path, 3, "--late-rank", "2", "--late-by", "7", "--mecefo-agree-timeout-s", "5",
+                     "--mecefo-inject", "hold:2:5:0")  # the job waits for it at step 5 (incarnation 0: a late starter)
     records = check_run(tmp_path, 3, [0, 1, 2], references[3], proc)
     assert sorted(r["rank"] for r in records[0]) == [0, 1]
     assert records[0][0]["cover"] == {"2": 0}
-    assert sorted(r["rank"] for r in records[STEPS - 1]) == [0, 1, 2]
+    assert [sorted(r["rank"] for r in records[s]) for s in (5, 6)] == [[0, 1], [0, 1, 2]]
 
 
 def test_a_step_without_the_whole_global_batch_is_never_committed(tmp_path, references):
