@@ -47,9 +47,10 @@ def test_restarted_rank_caught_in_a_recovery(tmp_path):
     hangs right after the commit that decides to admit rank 0 (so the admission must first agree
     without it); rank 3 is killed in the middle of handing rank 0 the state. Rank 1 keeps the job
     alive, rank 0 is admitted only with the state, and every step is whole and bit-identical."""
-    faults = (Fault("kill", 0, 8, "optimizer"), Fault("hang", 2, "*", "admit"), Fault("kill", 3, "*", "transfer"))
-    proc = finishes(tmp_path, Schedule(0, 4, 300, faults, 1.0), restart_after=1)
-    assert "validation loss at iteration 300" in proc.stdout
+    faults = (Fault("kill", 0, 8, "optimizer"), Fault("hold", 0, 12, "forward", 1), Fault("hang", 2, "*", "admit"),
+              Fault("kill", 3, "*", "transfer"))
+    proc = finishes(tmp_path, Schedule(0, 4, 20, faults, 1.0), restart_after=1)
+    assert "validation loss at iteration 20" in proc.stdout
     hang = re.search(r"rank 2: hang at step (\d+) \(admit\)", proc.stderr)
     kill = re.search(r"rank 3: kill at step (\d+) \(transfer\)", proc.stderr)
     assert hang and kill, "rank 2 hung when rank 0's admission was decided; rank 3 died handing it the state"
@@ -89,9 +90,11 @@ def test_donor_killed_during_a_state_transfer(tmp_path):
     """Rank 1 is killed and restarted; when the survivors admit it, the donor (rank 0, the lowest
     state holder) is killed in the middle of sending it the state. The receivers form the next
     generation (rank 2 sends the state instead), rank 0 comes back too, and every step is whole."""
-    faults = (Fault("kill", 1, 8, "backward"), Fault("kill", 0, "*", "transfer"))
-    proc = finishes(tmp_path, Schedule(0, 4, 300, faults, 1.0), restart_after=1)
+    faults = (Fault("kill", 1, 8, "backward"), Fault("hold", 1, 12, "forward", 1), Fault("kill", 0, "*", "transfer"),
+              Fault("hold", 0, 16, "forward", 1))
+    proc = finishes(tmp_path, Schedule(0, 4, 20, faults, 1.0), restart_after=1)
     assert re.search(r"rank 0: kill at step \d+ \(transfer\)", proc.stderr), "the donor died mid-transfer"
     regroups = chaos.events(tmp_path, 4, "regroup")
     received = [e for e in regroups if 1 in e["joiners"] and 0 not in e["members"]]
     assert received, "rank 1 received the state in a generation without the dead donor"
+    assert any(0 in e["joiners"] for e in regroups), "the donor came back too"
