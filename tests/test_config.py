@@ -98,7 +98,10 @@ def test_trace_errors_name_the_key(trace, message):
 @pytest.mark.parametrize(
     "rule, message",
     [
-        ("kill:1", "is not kind:rank:step"),
+        ("kill:1", r"is not kill\|hang:RANK:STEP"),
+        ("hold:1:*", "a hold names a step"),
+        ("hold:1:2:x", "must be integers"),
+        ("hold:1:2:1:4", r"or hold:RANK:STEP\[:INCARNATION\]"),
         ("explode:1:2", "kind must be one of"),
         ("kill:1:2:sideways", "phase must be one of"),
         ("kill:x:2", "must be integers"),
@@ -108,6 +111,12 @@ def test_trace_errors_name_the_key(trace, message):
 def test_inject_errors_name_the_key(rule, message):
     with pytest.raises(ValueError, match=message):
         MeCeFOConfig.from_ds_config({"inject": [rule]})
+
+
+def test_a_hold_waits_for_the_next_incarnation_by_default():
+    rules = MeCeFOConfig.from_ds_config({"inject": ["hold:2:7", "hold:1:3:0", "kill:2:*:transfer:1"]}).inject
+    assert [(r["kind"], r["rank"], r["step"], r["incarnation"]) for r in rules] == \
+        [("hold", 2, 7, 1), ("hold", 1, 3, 0), ("kill", 2, "*", 1)]
 
 
 def test_runtime_timeouts_are_checked_together():

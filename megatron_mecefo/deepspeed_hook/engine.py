@@ -41,13 +41,12 @@ from typing import Any, Dict, Iterator, Optional
 
 import torch
 
-from megatron_mecefo.approx import covering
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.deepspeed_hook.checkpoint import load_checkpoint, restrict_checkpoint_loading, save_checkpoint
 from megatron_mecefo.elastic.bootstrap import init_distributed, param_digest
 from megatron_mecefo.elastic.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
-from megatron_mecefo.rng import rng_state, set_rng_state
+from megatron_mecefo.elastic.step import Host, StepDriver, training_state
 
 __all__ = ["initialize", "attach_runtime", "MeCeFOEngine", "init_distributed", "check_ds_config", "param_digest", "save_checkpoint",
            "load_checkpoint"]
@@ -98,28 +97,28 @@ def replica_ds_config(ds_config: Dict[str, Any], world: int) -> tuple:
 
 
 class MeCeFOEngine:
-    """Wraps a DeepSpeedEngine; drives the ElasticRuntime at the accumulation boundary."""
+    """A DeepSpeedEngine as the host of MeCeFO's step driver (elastic/step.py): `engine(...)`,
+    `backward`, `step` (and `train_step` for Megatron's schedules) translate into the driver's
+    forward / finish; everything else is the DeepSpeed engine's."""
 
     def __init__(self, engine, runtime: ElasticRuntime, cfg: MeCeFOConfig, micro_batch_size: int,
                  clip_grad: float = 0.0) -> None:
         self.engine = engine
         self.clip_grad = clip_grad
         """With tensor or pipeline parallelism the engine clips (schedule.clip_grad_norm), not DeepSpeed."""
-        self.sharded = runtime.grid.tp * runtime.grid.pp > 1
+        sharded = runtime.grid.tp * runtime.grid.pp > 1
+        host = Host(module=engine.module, parameters=engine.module.parameters, optimizer_step=self._optimizer_step,
+                    zero_grad=engine.zero_grad, lr=self._lr, before_optimizer=self._clip if sharded else None)
+        # micro-batches run one at a time here: recompute_ffn="auto" resolves to off
+        self.driver = StepDriver(runtime, cfg, host, micro_batch_size=micro_batch_size)
         self.runtime = runtime
-        self.cfg = cfg
         self.micro_batch_size = micro_batch_size
+        self.recompute_note = self.driver.recompute_note
         self.engine.enable_backward_allreduce = False  # the runtime reduces across replicas
         self._plan: Optional[StepPlan] = None
         self._done = 0
-        self._backwards = 0
         self._loss_sum = 0.0
-        self.last_loss: Optional[float] = None
-        self.last_committed = False
-        self.recompute_note = cfg.recompute_note(live_microbatches=1)  # micro-batches run one at a time here
-        runtime.events.write("config", recompute=self.recompute_note)
-        self.record_extra: Dict[str, Any] = {}
-        """Extra fields for this step's record in steps_rank{R}.jsonl (set before the step's first micro-batch)."""
+        self._step_kwargs: Dict[str, Any] = {}
 
     # -- what to run ------------------------------------------------------------------------------
 
@@ -129,49 +128,46 @@ class MeCeFOEngine:
 
     @global_steps.setter
     def global_steps(self, value: int) -> None:  # after loading a checkpoint
-        if self._plan is not None:
+        if self.driver.plan is not None:
             raise RuntimeError("set global_steps between steps only")
         self.engine.global_steps = value
 
+    @property
+    def last_loss(self) -> Optional[float]:
+        return self.driver.last_loss
+
+    @property
+    def last_committed(self) -> bool:
+        return self.driver.last_committed
+
+    @property
+    def record_extra(self) -> Dict[str, Any]:
+        """Extra fields for this step's record in steps_rank{R}.jsonl."""
+        return self.driver.record_extra
+
     def plan(self) -> StepPlan:
         """This step's plan (starts the step on first call)."""
-        if self._plan is None:
-            self.runtime.begin_step(self.engine.global_steps)
-            self._plan = self.runtime.plan()
-            self._done, self._backwards, self._loss_sum = 0, 0, 0.0
-            if self.cfg.log_param_hash:  # replicas must be bit-identical at the start of every step
-                self.record_extra["param_sha256"] = param_digest(self.engine.module)
+        if self.driver.plan is None:
+            self.driver.begin(self.engine.global_steps)
+        if self._plan is not self.driver.plan:  # a new step, or a redo (driver.run begins it)
+            self._plan, self._done, self._loss_sum = self.driver.plan, 0, 0.0
         return self._plan
 
     def micro_batches(self) -> Iterator[MicroBatch]:
         """The micro-batches this rank runs this step (own, then adopted)."""
-        plan = self.plan()
-        for mb in plan.micro_batches:
-            yield mb
-
-    @property
-    def current(self) -> MicroBatch:
-        return self.plan().micro_batches[self._done]
+        yield from self.plan().micro_batches
 
     # -- the DeepSpeed surface --------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        mb = self.current
-        self.runtime.injector.maybe_fire(self.engine.global_steps, "forward")
-        with covering(self.engine.module, self._policy(mb)), self._replica_collectives():
+        mb = self.plan().micro_batches[self._done]
+        with self.driver.forward(mb), self.driver.replica_collectives():
             return self.engine(*args, **kwargs)
 
-    def _policy(self, mb: MicroBatch):
-        return self.cfg.cover_policy(self.engine.global_steps) if (mb.covering and self.cfg.enable) else None
-
-    def _replica_collectives(self):
-        return self.runtime.replica_collectives(self.engine.global_steps)
-
     def backward(self, loss: torch.Tensor, **kwargs):
-        self.runtime.injector.maybe_fire(self.engine.global_steps, "backward")
+        self.driver.fire("backward")
         self._loss_sum += float(loss.detach())
-        self._backwards += 1
-        with self._replica_collectives():
+        with self.driver.replica_collectives():
             return self.engine.backward(loss, scale_wrt_gas=False, **kwargs)  # micro-batch gradients are SUMMED
 
     def train_step(self, forward_step_func, batch_of, *, seq_length: int) -> bool:
@@ -185,58 +181,39 @@ class MeCeFOEngine:
         """
         from megatron_mecefo.deepspeed_hook.schedule import forward_backward
 
-        plan = self.plan()
-        mbs = list(plan.micro_batches)
-        step = self.engine.global_steps
-        inject = self.runtime.injector
-
-        def before(i):
-            inject.maybe_fire(step, "forward")
-            return covering(self.engine.module, self._policy(mbs[i]))
-
-        def after(i, output):
-            if output.requires_grad:  # fires inside the backward of this micro-batch, on every stage
-                output.register_hook(lambda g: inject.maybe_fire(step, "backward"))
-
-        with self._replica_collectives():
-            losses = forward_backward(self.engine.module, forward_step_func, (batch_of(mb) for mb in mbs),
-                                      num_microbatches=len(mbs), seq_length=seq_length,
-                                      micro_batch_size=self.micro_batch_size, before_forward=before, after_forward=after)
-        self._loss_sum, self._backwards = sum(losses), len(mbs)
-        self._done = len(mbs) - 1
-        return self.step()
+        mbs = list(self.plan().micro_batches)
+        with self.driver.replica_collectives():
+            losses = forward_backward(self.engine.module, forward_step_func,
+                                      (batch_of(mb) for mb in mbs), num_microbatches=len(mbs), seq_length=seq_length,
+                                      micro_batch_size=self.micro_batch_size,
+                                      before_forward=lambda i: self.driver.forward(mbs[i]),
+                                      after_forward=lambda i, output: self.driver.backward_point(output))
+        return self._finish(sum(losses), len(mbs))
 
     def step(self, **kwargs) -> bool:
         """After each micro-batch. At the plan's last one: reduce, commit, optimizer step.
 
         Returns True when an optimizer step was taken.
         """
-        plan = self.plan()
+        n = len(self.plan().micro_batches)
         self._done += 1
-        if self._done < len(plan.micro_batches):
+        if self._done < n:
             return False
-        samples = len(plan.micro_batches) * self.micro_batch_size
-        total_loss, total_samples = self.runtime.reduce_gradients(self.engine.module.parameters(),
-                                                                  stats=[self._loss_sum, samples],
-                                                                  micro_batches=self._backwards)
-        self._plan = None
-        committed = self.runtime.commit(loss=total_loss / plan.divisor if plan.divisor else None,
-                                        samples=int(total_samples), lr=self._lr(), **self.record_extra)
-        self.last_committed = committed
-        if committed:
-            self.last_loss = total_loss / plan.divisor
-            self.runtime.injector.maybe_fire(self.engine.global_steps, "optimizer")
-            if self.sharded:
-                from megatron_mecefo.deepspeed_hook.schedule import clip_grad_norm
+        return self._finish(self._loss_sum, self._done, **kwargs)
 
-                with self._replica_collectives():
-                    clip_grad_norm(self.engine.module, self.clip_grad)
-            self.engine.step(**kwargs)
-        else:
-            self.engine.zero_grad()
-        return committed
+    def _finish(self, loss_sum: float, ran: int, **step_kwargs) -> bool:
+        self._step_kwargs = step_kwargs
+        return self.driver.finish(loss_sum=loss_sum, loss_count=ran, micro_batches=ran)
 
-    def _lr(self):
+    def _optimizer_step(self):
+        return self.engine.step(**self._step_kwargs)
+
+    def _clip(self) -> None:
+        from megatron_mecefo.deepspeed_hook.schedule import clip_grad_norm
+
+        clip_grad_norm(self.engine.module, self.clip_grad)
+
+    def _lr(self) -> Optional[float]:
         try:
             return self.engine.get_lr()[0]
         except Exception:
@@ -246,7 +223,7 @@ class MeCeFOEngine:
         return getattr(self.engine, name)
 
     def close(self) -> None:
-        self.runtime.close()
+        self.driver.close()
 
 
 def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mecefo: Optional[MeCeFOConfig] = None,
@@ -338,30 +315,20 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
             legacy Megatron models load only their `state_dict_for_save_checkpoint` format).
     """
     get_module, set_module = module_state or (engine.module.state_dict, engine.module.load_state_dict)
-    runtime = ElasticRuntime.for_job(cfg, job, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                                     micro_batches=micro_batches, backend=backend)
 
-    def get_state():
-        return {"module": get_module(), "optimizer": engine.optimizer.state_dict(),
-                "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-                "global_steps": engine.global_steps, "global_samples": engine.global_samples, "rng": rng_state(),
+    def counters():
+        return {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                 "extra": extra_state[0]() if extra_state else None}
 
-    def set_state(state):
-        set_module(state["module"])
-        engine.optimizer.load_state_dict(state["optimizer"])
-        if state["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        engine.global_steps, engine.global_samples = state["global_steps"], state["global_samples"]
-        set_rng_state(state["rng"])
+    def set_counters(values):
+        engine.global_steps, engine.global_samples = values["global_steps"], values["global_samples"]
         if extra_state:
-            extra_state[1](state["extra"])
+            extra_state[1](values["extra"])
 
-    runtime.set_state_hooks(get_state, set_state)
-    if save is not None:
-        runtime.set_checkpoint_hook(save)
-    if train_iters is not None:
-        runtime.set_trace(train_iters)
+    runtime = ElasticRuntime.for_job(
+        cfg, job, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, micro_batches=micro_batches,
+        backend=backend, train_iters=train_iters, save_checkpoint=save,
+        state=training_state((get_module, set_module), engine.optimizer, engine.lr_scheduler, (counters, set_counters)))
     if load is not None and job.incarnation == 0:
         load()
     step = runtime.start(engine.global_steps)

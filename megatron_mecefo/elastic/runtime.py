@@ -14,7 +14,7 @@
 Inside a step errors are latched (`report_error`), later collectives become no-ops, and `commit()`
 decides once for everybody: the optimizer step is taken by all members or by none, so replicas stay
 bit-identical. A failed step is redone whole by the new generation. Restarted ranks are admitted at
-step boundaries and receive the training state from a member (`set_state_hooks`).
+step boundaries and receive the training state from a member (`state=`).
 
 Tensor and pipeline parallelism: a replica is the T*P ranks of one data-parallel index (topology.py).
 Generations and admissions take whole replicas; there is one data-parallel group per (tp, pp)
@@ -96,6 +96,14 @@ class ElasticRuntime:
         backend: "gloo" (tested) or "nccl" (untested here).
         soft_failures: injected failures exit with status 0 (for launchers that kill every rank
             when one fails; see inject.py).
+        state: (get, set) of the training state a rejoining rank receives (model, optimizer,
+            scheduler, counters; `step.training_state`); None: nothing but the step.
+        save_checkpoint: () -> path: writes a checkpoint of the last committed step when the job
+            gives up (called on one rank that holds the state); None: no checkpoint.
+        train_iters: the job's length; needed to lay out config.trace (the same on every rank).
+
+    Raises:
+        ValueError: injection rules or a trace that cannot run as written (naming the rule or event).
     """
 
     def __init__(
@@ -116,6 +124,9 @@ class ElasticRuntime:
         injector: Optional[FaultInjector] = None,
         backend: str = "gloo",
         soft_failures: bool = False,
+        state: Optional[tuple] = None,
+        save_checkpoint: Optional[Callable[[], str]] = None,
+        train_iters: Optional[int] = None,
     ) -> None:
         self.cfg = config
         self.rank, self.world = rank, world
@@ -130,7 +141,7 @@ class ElasticRuntime:
         self.incarnation = incarnation
         self.fold_policy = fold_policy
         self.injector = injector or FaultInjector.from_rules(config.inject, rank, incarnation, soft=soft_failures)
-        self.trace = []  # set by set_trace(): TraceEvents of the job
+        self.trace = []  # TraceEvents of the job (config.trace)
         self.injector.on_soft_hang = self._soft_hang
         self.backend = backend
         self._timeout = timedelta(seconds=config.collective_timeout_s)
@@ -158,9 +169,8 @@ class ElasticRuntime:
         self._pending: Optional[tuple] = None  # (generation, candidates) to regroup into
         self._cover: Optional[CoverPlan] = None
         self._fold: Optional[Fold] = None
-        self._get_state: Optional[Callable[[], Dict[str, Any]]] = None
-        self._set_state: Optional[Callable[[Dict[str, Any]], None]] = None
-        self._save: Optional[Callable[[], str]] = None
+        self._get_state, self._set_state = state if state is not None else (None, None)
+        self._save = save_checkpoint
         self._has_state = False
         """True once this rank holds the training state of self.step: every rank of generation 0,
         a joiner once it has received the state. A rank without it never trains or votes."""
@@ -171,39 +181,27 @@ class ElasticRuntime:
         self.events = EventLog(os.path.join(log_dir, f"events_rank{rank}.jsonl") if log_dir else None, rank=rank)
         self.steps_log = EventLog(os.path.join(log_dir, f"steps_rank{rank}.jsonl") if log_dir else None, rank=rank)
         self.injector.events = self.events
+        if config.trace is not None:
+            self._lay_out_trace(train_iters)
 
     # -- life cycle -------------------------------------------------------------------------------
 
     @classmethod
     def for_job(cls, config: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: int, pipeline_parallel: int,
-                micro_batches: int, backend: str = "gloo") -> "ElasticRuntime":
+                micro_batches: int, backend: str = "gloo", **collaborators: Any) -> "ElasticRuntime":
         """The runtime of this rank of `job` (from `bootstrap.init_distributed`): its rank, world,
         store, job id, restarts and incarnation; injected failures exit softly (status 0) under
-        launchers other than mecefo-launch."""
+        launchers other than mecefo-launch. `collaborators`: state, save_checkpoint, train_iters."""
         return cls(config, rank=job.rank, world=job.world, tensor_parallel=tensor_parallel,
                    pipeline_parallel=pipeline_parallel, store_host=job.master_addr, store_port=job.master_port,
                    job_id=job.job_id, max_restarts=job.max_restarts, micro_batches=micro_batches,
-                   incarnation=job.incarnation, soft_failures=not job.mecefo_launcher, backend=backend)
+                   incarnation=job.incarnation, soft_failures=not job.mecefo_launcher, backend=backend,
+                   **collaborators)
 
-    def set_state_hooks(self, get_state: Callable[[], Dict[str, Any]], set_state: Callable[[Dict[str, Any]], None]) -> None:
-        """How to read and restore the training state sent to a rejoining rank (model, optimizer,
-        scheduler, counters). Call before `start()`."""
-        self._get_state, self._set_state = get_state, set_state
-
-    def set_checkpoint_hook(self, save: Callable[[], str]) -> None:
-        """How to write a checkpoint of the last committed step when the job gives up; returns its
-        path. Called on one rank that holds the state (the first to give up). Call before `start()`."""
-        self._save = save
-
-    def set_trace(self, total_steps: int) -> None:
-        """Turn config.trace into kill rules for this job of `total_steps` (same on every rank).
-
-        Raises:
-            ValueError: a replayed trace that cannot run as written (naming the event): a rank out of
-                range, a failure MeCeFO cannot absorb, more restarts than the launcher makes.
-        """
-        if self.cfg.trace is None:
-            return
+    def _lay_out_trace(self, total_steps: Optional[int]) -> None:
+        """Turn config.trace into kill (and hold) rules for this job of `total_steps`."""
+        if total_steps is None:
+            raise ValueError('mecefo "trace" needs the job\'s length (train_iters) to lay out the failures')
         if self.grid.tp * self.grid.pp > 1:
             raise ValueError('mecefo "trace" needs tensor and pipeline parallel size 1 (use "inject" rules with '
                              "tensor or pipeline parallelism)")
@@ -567,7 +565,7 @@ class ElasticRuntime:
             raise MeCeFOError(f"[rank {self.rank}] received the state of step {state['step']}, expected {step}")
         if state["user"] is not None:
             if self._set_state is None:
-                raise MeCeFOError("a rejoining rank needs set_state_hooks() to load the training state")
+                raise MeCeFOError("a rejoining rank needs ElasticRuntime(state=...) to load the training state")
             self._set_state(state["user"])
         self.step, self._has_state = step, True
 

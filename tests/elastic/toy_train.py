@@ -95,19 +95,17 @@ def main():
     cfg = MeCeFOConfig.from_args(args, {"log_dir": str(args.out)})
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    rt = ElasticRuntime(cfg, rank=rank, world=world, store_host=env.master_addr, store_port=env.master_port,
-                        job_id=env.job_id, max_restarts=env.max_restarts, micro_batches=args.k,
-                        incarnation=env.incarnation)
-    rt.set_state_hooks(lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
-                       lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"])))
-    rt.set_trace(args.steps)
 
     def save_checkpoint():  # the runtime calls it on one state holder when the job gives up
         path = args.out / f"checkpoint_rank{rank}.pt"
         torch.save({"params": [p.detach() for p in model.parameters()], "opt": opt.state_dict(), "step": rt.step}, path)
         return str(path)
 
-    rt.set_checkpoint_hook(save_checkpoint)
+    rt = ElasticRuntime(cfg, rank=rank, world=world, store_host=env.master_addr, store_port=env.master_port,
+                        job_id=env.job_id, max_restarts=env.max_restarts, micro_batches=args.k,
+                        incarnation=env.incarnation, train_iters=args.steps, save_checkpoint=save_checkpoint,
+                        state=(lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
+                               lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"]))))
     step = 0
     try:
         step = rt.start()

@@ -223,17 +223,16 @@ def wrap_train_step(original: Callable) -> Callable:
         engine.set_gradient_accumulation_boundary(True)  # step() runs once, after the plan's micro-batches
         consumed = args.consumed_train_samples
         increment = k * mbs * args.data_parallel_size  # the scheduler counts the whole global batch
-        while True:  # a failed step is redone by the survivors
-            with engine._replica_collectives():
-                for mb in engine.micro_batches():
-                    it = iter([micro_batch(STATE.train_ds, consumed, mb.replica, mb.index, micro_batch_size=mbs,
-                                           dp=STATE.dp)]) if reads_data else None
-                    output, loss_func = forward_step_func(it, engine)
-                    loss = loss_func(output)[0]
-                    engine.backward(loss)
-                    engine.step(lr_kwargs={"increment": increment})
-            if engine.last_committed:
-                break
+
+        def one_pass(plan):
+            for mb in engine.micro_batches():
+                it = iter([micro_batch(STATE.train_ds, consumed, mb.replica, mb.index, micro_batch_size=mbs,
+                                       dp=STATE.dp)]) if reads_data else None
+                output, loss_func = forward_step_func(it, engine)
+                engine.backward(loss_func(output)[0])
+                engine.step(lr_kwargs={"increment": increment})
+
+        engine.driver.run(args.iteration, one_pass)  # a failed step is redone by the survivors
         # upstream's train() adds mpu's data-parallel size (1: the replica) x mbs x k; the rest of the
         # global batch was consumed too (by the other replicas, or by this one covering)
         rest = (STATE.dp - 1) * mbs * k

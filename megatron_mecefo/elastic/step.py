@@ -1,0 +1,206 @@
+"""StepDriver: the one MeCeFO training step, for every host.
+
+Every host (the DeepSpeed engine wrapper, Megatron-DeepSpeed's `train_step`, Megatron-LM's
+`train_step`, a user's own loop) runs the same sequence, and it lives here:
+
+    driver.begin(step)                    # admit joiners, the plan (own + adopted micro-batches), record
+    for mb in plan.micro_batches:
+        with driver.forward(mb):          # "forward" injection, covering mode for an adopted/covering mb
+            out = model(...)
+        driver.backward_point(out)        # "backward" injection inside this micro-batch's backward
+        ...backward...
+    driver.finish(loss_sum=..., loss_count=..., micro_batches=n, averaged_over=a)
+        # gradients back to sums, reduced across replicas with MeCeFO's divisors, the job's commit;
+        # then, only on a committed step, the host's optimizer step ("optimizer" injection first);
+        # otherwise the gradients are zeroed and the step is redone by the new generation
+
+`run(step, body)` is the redo loop for hosts that own one (torchft's `OptimizerWrapper`: the
+optimizer steps only `if should_commit()`). A host fills `Host`: which module is covered, which
+tensors hold the gradients (`grad` or Megatron's `main_grad` buffers), how its optimizer steps. What
+the runtime sends a rejoining rank is `training_state(...)` of the host's parts.
+
+It knows micro-batches and gradients, not layers: covering mode is set through approx.mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, TypeVar
+
+import torch
+
+from megatron_mecefo.approx.mode import CoverPolicy, covering
+from megatron_mecefo.config import MeCeFOConfig
+from megatron_mecefo.elastic.bootstrap import param_digest
+from megatron_mecefo.elastic.fold import MicroBatch
+from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
+from megatron_mecefo.rng import rng_state, set_rng_state
+
+__all__ = ["Host", "StepDriver", "training_state"]
+
+T = TypeVar("T")
+StateHooks = Tuple[Callable[[], Any], Callable[[Any], None]]
+
+
+@dataclasses.dataclass
+class Host:
+    """What a host's step looks like to the driver."""
+
+    module: torch.nn.Module
+    """The model (covering mode is set on it; its parameters are hashed for the step record)."""
+    parameters: Callable[[], Iterable[torch.nn.Parameter]]
+    """The trainable parameters whose gradients are reduced across replicas."""
+    optimizer_step: Callable[[], Any]
+    """The host's optimizer step; called only on a committed step (its result: `driver.optimizer_result`)."""
+    zero_grad: Callable[[], None]
+    """Drop the gradients of an aborted step (it is redone)."""
+    grad_attr: str = "grad"
+    """Where the gradients are: "grad", or "main_grad" (Megatron's DDP buffers, reduced in place)."""
+    lr: Callable[[], Optional[float]] = lambda: None
+    """The learning rate, for the step record."""
+    before_optimizer: Optional[Callable[[], None]] = None
+    """Runs before the optimizer step of a committed step (clipping over a replica's model-parallel ranks)."""
+
+
+def training_state(module: StateHooks, optimizer, scheduler=None, counters: Optional[StateHooks] = None) -> StateHooks:
+    """(get, set) of what a rejoining rank receives: the module (its own (get, set): legacy Megatron
+    models load only their save format), the optimizer, the scheduler, the RNG states and the host's
+    counters (plain data). For `ElasticRuntime(state=...)`."""
+
+    def get() -> Dict[str, Any]:
+        return {"module": module[0](), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None, "rng": rng_state(),
+                "counters": counters[0]() if counters else None}
+
+    def set_(state: Dict[str, Any]) -> None:
+        module[1](state["module"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None and state["scheduler"] is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        if counters:
+            counters[1](state["counters"])
+
+    return get, set_
+
+
+class StepDriver:
+    """Drives the runtime through one step for a host (see the module docstring)."""
+
+    def __init__(self, runtime: ElasticRuntime, cfg: MeCeFOConfig, host: Host, *, micro_batch_size: int,
+                 live_microbatches: int = 1) -> None:
+        self.runtime = runtime
+        self.cfg = cfg
+        self.host = host
+        self.micro_batch_size = micro_batch_size
+        self.recompute_note = cfg.recompute_note(live_microbatches=live_microbatches)
+        self._live_microbatches = live_microbatches
+        runtime.events.write("config", recompute=self.recompute_note)
+        self.plan: Optional[StepPlan] = None
+        """The plan of the step in progress (None between steps)."""
+        self.last_loss: Optional[float] = None
+        """The job's loss of the last committed step (every replica's micro-batches)."""
+        self.last_committed = False
+        self.optimizer_result: Any = None
+        self.record_extra: Dict[str, Any] = {}
+        """Extra fields for this step's record in steps_rank{R}.jsonl."""
+
+    @property
+    def step(self) -> int:
+        return self.runtime.step
+
+    # -- the sequence -----------------------------------------------------------------------------
+
+    def begin(self, step: int) -> StepPlan:
+        """Start (or redo) `step`: admit joiners at the boundary, and return this rank's plan."""
+        self.runtime.begin_step(step)
+        self.plan = self.runtime.plan()
+        self.optimizer_result = None
+        if self.cfg.log_param_hash:  # replicas must be bit-identical at the start of every step
+            self.record_extra["param_sha256"] = param_digest(self.host.module)
+        return self.plan
+
+    def policy(self, mb: MicroBatch) -> Optional[CoverPolicy]:
+        """The covering policy of micro-batch `mb` (None: the exact backward)."""
+        if not (mb.covering and self.cfg.enable):
+            return None
+        return self.cfg.cover_policy(self.runtime.step, live_microbatches=self._live_microbatches)
+
+    def fire(self, phase: str) -> None:
+        """An injection point of the step (forward | backward | optimizer)."""
+        self.runtime.injector.maybe_fire(self.runtime.step, phase)
+
+    @contextlib.contextmanager
+    def forward(self, mb: MicroBatch, module: Optional[torch.nn.Module] = None) -> Iterator[None]:
+        """Run micro-batch `mb`'s forward in the block: in covering mode where the plan says so."""
+        self.fire("forward")
+        with covering(module if module is not None else self.host.module, self.policy(mb)):
+            yield
+
+    def backward_point(self, output: Any) -> None:
+        """The "backward" injection point inside the backward of the micro-batch whose output this is
+        (for hosts whose schedule runs the backward)."""
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            step, injector = self.runtime.step, self.runtime.injector
+            output.register_hook(lambda grad: injector.maybe_fire(step, "backward"))
+
+    def replica_collectives(self):
+        """The block's collectives inside this rank's replica retire the replica when they fail."""
+        return self.runtime.replica_collectives(self.runtime.step)
+
+    def finish(self, *, loss_sum: float, loss_count: float, micro_batches: int, averaged_over: int = 1) -> bool:
+        """The step's end, after the plan's micro-batches: reduce, agree, and (committed) step.
+
+        Args:
+            loss_sum, loss_count: this rank's loss summed over what it counts (micro-batches, or
+                tokens) and that count; the job's loss is sum over sum.
+            micro_batches: how many micro-batches this rank ran (the commit refuses a step whose
+                members did not run the whole global batch).
+            averaged_over: the host's schedule divided each micro-batch's gradient by this many
+                (Megatron's schedules: the number of micro-batches); 1 when gradients are sums.
+
+        Returns:
+            True when the optimizer step was taken; False: a peer failed and the step is redone.
+        """
+        plan = self.plan
+        params = [p for p in self.host.parameters() if p.requires_grad]
+        if averaged_over != 1:
+            for p in params:
+                grad = getattr(p, self.host.grad_attr, None)
+                if grad is not None:
+                    grad.mul_(averaged_over)  # the runtime's divisors expect sums
+        total_loss, total_count, samples = self.runtime.reduce_gradients(
+            params, stats=[loss_sum, loss_count, micro_batches * self.micro_batch_size], micro_batches=micro_batches,
+            attr=self.host.grad_attr)
+        loss = total_loss / total_count if total_count else None
+        self.plan = None
+        committed = self.runtime.commit(loss=loss, samples=int(samples), lr=self.host.lr(), **self.record_extra)
+        self.last_committed = committed
+        if not committed:
+            self.host.zero_grad()
+            return False
+        self.last_loss = loss
+        self.fire("optimizer")
+        if self.host.before_optimizer is not None:
+            with self.runtime.replica_collectives(plan.step):
+                self.host.before_optimizer()
+        self.optimizer_result = self.host.optimizer_step()
+        return True
+
+    def run(self, step: int, body: Callable[[StepPlan], T]) -> T:
+        """Run `step` until it is committed: `body(plan)` runs the plan's micro-batches and calls
+        `finish` (directly or through the host's optimizer); a failed step is redone by the
+        survivors with their new plan. Returns the last `body`'s result; a body that returns
+        without finishing (the host skipped its optimizer step) ends the loop too."""
+        while True:
+            self.last_committed = False
+            plan = self.begin(step)
+            with self.runtime.replica_collectives(step):
+                out = body(plan)
+            if self.last_committed or self.plan is not None:
+                self.plan = None
+                return out
+
+    def close(self, finished: bool = True) -> None:
+        self.runtime.close(finished=finished)
