@@ -9,15 +9,19 @@ FFN sizes) is `megatron_mecefo.layers.check_lowrank_rank(model, cfg.rank)`.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
 import json
 import os
-from typing import Any, Mapping, Optional
+import textwrap
+from typing import Any, Dict, Mapping, Optional
 
 from megatron_mecefo.approx.mode import SVD_METHODS, CoverPolicy
 from megatron_mecefo.elastic.inject import parse_rules, parse_trace
 
-__all__ = ["MeCeFOConfig", "LaunchEnv", "prepare_nccl_error_handling", "RECOMPUTE_CHOICES", "APPROXIMATE_CHOICES"]
+__all__ = ["MeCeFOConfig", "LaunchEnv", "prepare_nccl_error_handling", "RECOMPUTE_CHOICES", "APPROXIMATE_CHOICES",
+           "field_docs", "reference_table"]
 
 RECOMPUTE_CHOICES = ("auto", "always", "never")
 APPROXIMATE_CHOICES = ("all", "adopted")
@@ -102,14 +106,16 @@ class MeCeFOConfig:
     only when a covering rank holds more than one micro-batch's activations at once (adopted
     micro-batches merged into a larger batch). One micro-batch at a time with the attention backward
     skipped already needs about half of a normal rank's activation memory, so recompute would only
-    cost time (see benchmarks/covering_cost.py)."""
+    cost time (see benchmarks/covering_cost.py). The engine and the patched checkouts run micro-batches one
+    at a time, so there "auto" never recomputes; set "always" for the paper's memory profile."""
     approximate: str = "all"
     """Which micro-batches of a covering rank run in covering mode: "all" (its own and the adopted
     ones; the paper's rule, attention gradients averaged over non-covering ranks only) or "adopted"
     (its own micro-batches stay exact)."""
     collective_timeout_s: float = 60.0
-    """Timeout of the data-parallel collectives: a hung rank stalls the others at most this long.
-    Must exceed the longest normal wait at a collective (a covering rank's slower step)."""
+    """Timeout of the data-parallel collectives, and of the tensor- and pipeline-parallel ones inside a
+    replica: a hung rank stalls the others at most this long. Must exceed the longest normal wait at
+    a collective (a covering rank's slower step)."""
     heartbeat_interval_s: float = 0.5
     """How often each rank bumps its heartbeat in the store."""
     heartbeat_timeout_s: float = 5.0
@@ -119,9 +125,12 @@ class MeCeFOConfig:
     left out and rejoin later); a commit decision not made within it becomes an abort. Must exceed
     collective_timeout_s. With no plan 2 x heartbeat_timeout_s later, the job gives up."""
     join_timeout_s: float = 600.0
-    """How long a restarted rank waits, from its start, to be let back in (a trace's down time included)."""
+    """How long a restarted rank waits, from its start, to be let back in (a trace's down time
+    included); with tensor or pipeline parallelism also how long a rank waits for the other ranks of
+    its replica to start."""
     log_dir: Optional[str] = None
-    """Directory of the per-step and recovery-event JSONL logs (None: no files)."""
+    """Directory of the per-step and recovery-event logs, steps_rank{R}.jsonl and events_rank{R}.jsonl
+    (None: no files)."""
     log_param_hash: bool = False
     """Record a SHA-256 of the parameters at the start of every step in steps_rank{R}.jsonl, to
     check that replicas stay bit-identical (costs one pass over the parameters per step)."""
@@ -138,8 +147,11 @@ class MeCeFOConfig:
     between failures, steps a failed rank stays down), {"scenario": "low"|"medium"|"high",
     "steps_per_hour": H, "seed": S} for the paper's rates (MTBF 2/1/0.5 h, recovery 4/3/2 h), or
     {"events": [[rank, fail_step, rejoin_step], ...]} to replay a given trace (checked at start:
-    inject.check_trace). Failed ranks come back only under mecefo-launch --restart-failed-after,
-    at most --max-restarts times each."""
+    inject.check_trace: refused, naming the event, when a rank is outside the job, fails again while
+    down, or leaves a failed replica without a healthy non-covering neighbour, or must come back more
+    often than the launcher restarts it). Failed ranks come back only under mecefo-launch
+    --restart-failed-after, at most --max-restarts times each; the job then waits at each rejoin
+    step for the restarted rank, so the trace plays out as written."""
 
     def __post_init__(self) -> None:
         self._check_bool("enable", "skip_attention", "lowrank_ffn", "log_param_hash")
@@ -232,35 +244,25 @@ class MeCeFOConfig:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Add the `--mecefo*` flags; every default is None so the ds_config block is not overridden."""
+        """Add the `--mecefo*` flags, one per field, their help from the field's docstring and its
+        default; every parsed default is None so the ds_config block is not overridden."""
         g = parser.add_argument_group("MeCeFO", "fault-tolerant training (override ds_config \"mecefo\")")
-        g.add_argument("--mecefo", action="store_true", help="enable MeCeFO")
-        g.add_argument("--mecefo-rank", type=int, default=None, help="rank r of the low-rank FFN gradient (64)")
-        g.add_argument("--mecefo-tau", type=int, default=None, help="steps between basis refreshes (200)")
-        g.add_argument("--mecefo-svd-method", choices=SVD_METHODS, default=None, help="SVD method (auto)")
-        g.add_argument("--mecefo-svd-exact-max-dim", type=int, default=None, help="auto: exact SVD up to this dim (4096)")
-        g.add_argument("--mecefo-skip-attention", action=argparse.BooleanOptionalAction, default=None,
-                       help="skip attention backward on covering micro-batches (on)")
-        g.add_argument("--mecefo-lowrank-ffn", action=argparse.BooleanOptionalAction, default=None,
-                       help="low-rank FFN weight gradient on covering micro-batches (on)")
-        g.add_argument("--mecefo-recompute-ffn", choices=RECOMPUTE_CHOICES, default=None,
-                       help="FFN recompute on covering micro-batches (auto)")
-        g.add_argument("--mecefo-approximate", choices=APPROXIMATE_CHOICES, default=None,
-                       help="covering-mode micro-batches of a covering rank (all)")
-        g.add_argument("--mecefo-collective-timeout-s", type=float, default=None, help="collective timeout: data-parallel, tensor- and pipeline-parallel groups (60)")
-        g.add_argument("--mecefo-heartbeat-interval-s", type=float, default=None, help="heartbeat period (0.5)")
-        g.add_argument("--mecefo-heartbeat-timeout-s", type=float, default=None, help="presume failed after (5)")
-        g.add_argument("--mecefo-agree-timeout-s", type=float, default=None, help="agreement deadline (120)")
-        g.add_argument("--mecefo-join-timeout-s", type=float, default=None, help="rejoin deadline (600)")
-        g.add_argument("--mecefo-log-dir", default=None, help="directory of the JSONL logs")
-        g.add_argument("--mecefo-log-param-hash", action="store_true", default=None,
-                       help="record a hash of the parameters at every step (replica identity checks)")
-        g.add_argument("--mecefo-inject", action="append", default=None, metavar="RULE",
-                       help="inject a failure: kill|hang:RANK:STEP[:PHASE[:INCARNATION]] (STEP * = any; phase "
-                            "backward, incarnation 0 by default), or hold:RANK:STEP[:INCARNATION]: every rank waits "
-                            "at STEP until that restarted incarnation (1) of RANK asks to rejoin")
-        g.add_argument("--mecefo-trace", type=json.loads, default=None, metavar="JSON",
-                       help='trace-driven failures, e.g. \'{"scenario": "high", "steps_per_hour": 20}\'')
+        docs = field_docs()
+        for f in dataclasses.fields(MeCeFOConfig):
+            flag, kind = _flag(f.name), _FLAG_KINDS.get(f.name, f.type)
+            help_ = f"{_first_sentence(docs[f.name])} (default: {_default_text(f.default)})"
+            if f.name in _CHOICES:
+                g.add_argument(flag, choices=_CHOICES[f.name], default=None, help=help_)
+            elif kind == "store_true":
+                g.add_argument(flag, action="store_true", default=None, help=help_)
+            elif kind == "bool":
+                g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            elif f.name == "inject":
+                g.add_argument(flag, action="append", default=None, metavar="RULE", help=help_ + "; repeatable")
+            elif f.name == "trace":
+                g.add_argument(flag, type=json.loads, default=None, metavar="JSON", help=help_)
+            else:
+                g.add_argument(flag, type={"int": int, "float": float}.get(kind, str), default=None, help=help_)
         return parser
 
     # -- use --------------------------------------------------------------------------------------
@@ -296,3 +298,40 @@ class MeCeFOConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# -- one source for the CLI help and the README's configuration reference ---------------------------
+
+_CHOICES = {"svd_method": SVD_METHODS, "recompute_ffn": RECOMPUTE_CHOICES, "approximate": APPROXIMATE_CHOICES}
+_FLAG_KINDS = {"enable": "store_true", "log_param_hash": "bool", "log_dir": "str"}
+
+
+def field_docs() -> Dict[str, str]:
+    """The docstring under each field of MeCeFOConfig, whitespace folded (read from the source)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(MeCeFOConfig)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def _first_sentence(text: str) -> str:
+    head = text.split(". ")[0].rstrip(".")
+    return head.replace("%", "%%")  # argparse formats help strings
+
+
+def _default_text(value: Any) -> str:
+    return {None: "none", (): "none", True: "on", False: "off"}.get(value, str(value)) \
+        if isinstance(value, (bool, tuple, type(None))) else str(value)
+
+
+def reference_table() -> str:
+    """The README's configuration reference: one row per field (ds_config key, flag, default, doc)."""
+    rows = ["| ds_config `\"mecefo\"` key | flag | default | what it does |", "|---|---|---|---|"]
+    docs = field_docs()
+    for f in dataclasses.fields(MeCeFOConfig):
+        doc = docs[f.name].replace("|", "\\|")
+        rows.append(f"| `{f.name}` | `{_flag(f.name)}` | {_default_text(f.default)} | {doc} |")
+    return "\n".join(rows)

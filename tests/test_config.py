@@ -126,3 +126,31 @@ def test_runtime_timeouts_are_checked_together():
         MeCeFOConfig(collective_timeout_s=60, agree_timeout_s=30)
     with pytest.raises(ValueError, match="--mecefo-collective-timeout-s must be a number > 0"):
         MeCeFOConfig(collective_timeout_s=0)
+
+
+def test_one_source_for_the_readme_table_the_help_and_the_defaults():
+    """The README's reference is the one generated from the fields' docstrings, and every flag's
+    --help carries its field's first sentence and default."""
+    import argparse
+    import dataclasses
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_mecefo.config import _default_text, _first_sentence, field_docs, reference_table
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    block = re.search(r"<!-- config-reference:[^\n]*-->\n(.*?)\n<!-- /config-reference -->", readme, re.S)
+    assert block and block.group(1) == reference_table(), "run: python scripts/config_reference.py --write"
+    docs = field_docs()
+    assert set(docs) == {f.name for f in dataclasses.fields(MeCeFOConfig)}, "every field has a docstring"
+    parser = MeCeFOConfig.add_cli_args(argparse.ArgumentParser())
+    helps = {a.dest: a.help for a in parser._actions if a.dest.startswith("mecefo")}
+    for f in dataclasses.fields(MeCeFOConfig):
+        dest = "mecefo" if f.name == "enable" else f"mecefo_{f.name}"
+        assert f"(default: {_default_text(f.default)})" in helps[dest], dest
+        assert helps[dest].startswith(_first_sentence(docs[f.name])) and len(helps[dest]) > 20, dest
+    out = subprocess.run([sys.executable, str(root / "scripts/config_reference.py")], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == reference_table()

@@ -41,6 +41,10 @@ class Step:
     def last_loss(self) -> Optional[float]:
         return self.driver.last_loss
 
+    @property
+    def last_committed(self) -> bool:
+        return self.driver.last_committed
+
     @classmethod
     def attach(cls, cfg: MeCeFOConfig, job: LaunchEnv, model, optimizer, scheduler, *, tensor_parallel: int,
                micro_batches: int, micro_batch_size: int, backend: str, train_iters: Optional[int], start: int,
