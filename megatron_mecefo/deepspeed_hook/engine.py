@@ -46,7 +46,7 @@ from megatron_mecefo.deepspeed_hook.checkpoint import load_checkpoint, restrict_
 from megatron_mecefo.elastic.bootstrap import init_distributed, param_digest
 from megatron_mecefo.elastic.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
-from megatron_mecefo.elastic.step import Host, StepDriver, training_state
+from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver, training_state
 
 __all__ = ["initialize", "attach_runtime", "MeCeFOEngine", "init_distributed", "check_ds_config", "param_digest", "save_checkpoint",
            "load_checkpoint"]
@@ -96,7 +96,7 @@ def replica_ds_config(ds_config: Dict[str, Any], world: int) -> tuple:
     return cfg, gas, mb
 
 
-class MeCeFOEngine:
+class MeCeFOEngine(DrivenHost):
     """A DeepSpeedEngine as the host of MeCeFO's step driver (elastic/step.py): `engine(...)`,
     `backward`, `step` (and `train_step` for Megatron's schedules) translate into the driver's
     forward / finish; everything else is the DeepSpeed engine's."""
@@ -131,14 +131,6 @@ class MeCeFOEngine:
         if self.driver.plan is not None:
             raise RuntimeError("set global_steps between steps only")
         self.engine.global_steps = value
-
-    @property
-    def last_loss(self) -> Optional[float]:
-        return self.driver.last_loss
-
-    @property
-    def last_committed(self) -> bool:
-        return self.driver.last_committed
 
     @property
     def record_extra(self) -> Dict[str, Any]:

@@ -37,7 +37,7 @@ from megatron_mecefo.elastic.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.rng import rng_state, set_rng_state
 
-__all__ = ["Host", "StepDriver", "training_state"]
+__all__ = ["Host", "StepDriver", "DrivenHost", "training_state"]
 
 T = TypeVar("T")
 StateHooks = Tuple[Callable[[], Any], Callable[[Any], None]]
@@ -204,3 +204,18 @@ class StepDriver:
 
     def close(self, finished: bool = True) -> None:
         self.runtime.close(finished=finished)
+
+
+class DrivenHost:
+    """Base of the host wrappers: what the training loops read of the last step (`self.driver`)."""
+
+    driver: StepDriver
+
+    @property
+    def last_loss(self) -> Optional[float]:
+        """The job's loss of the last committed step."""
+        return self.driver.last_loss
+
+    @property
+    def last_committed(self) -> bool:
+        return self.driver.last_committed

@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-__all__ = ["UsageError", "usage_errors", "State", "add_args", "wrap_pretrain", "micro_batch", "run_job",
+__all__ = ["UsageError", "usage_errors", "State", "add_args", "install_hooks", "wrap_pretrain", "micro_batch", "run_job",
            "quiet_unless", "lead_only_save", "keep_training_set", "data_prefixes", "one_replica_at_a_time",
            "arg_counters"]
 
@@ -70,6 +70,24 @@ def add_args(parser):
 
     MeCeFOConfig.add_cli_args(parser)
     return parser
+
+
+def install_hooks(initialize, training, hooks, *, helpers_dir: Callable[[], str], wrap_evaluate: Callable) -> None:
+    """Put an adapter's hooks (`hooks`: its training.py) into upstream's `initialize` and `training`
+    modules, once: both codebases call these module globals by name."""
+    if getattr(training, "_mecefo_installed", False):
+        return
+    initialize._initialize_distributed = hooks.wrap_initialize_distributed(initialize._initialize_distributed)
+    initialize._compile_dependencies = one_replica_at_a_time(initialize._compile_dependencies,
+                                                             lambda: hooks.STATE.active, helpers_dir)
+    training.setup_model_and_optimizer = hooks.wrap_setup_model_and_optimizer(training.setup_model_and_optimizer)
+    training.build_train_valid_test_datasets = hooks.wrap_datasets(training.build_train_valid_test_datasets)
+    training.train_step = hooks.wrap_train_step(training.train_step)
+    training.evaluate = wrap_evaluate(training.evaluate)
+    training.save_checkpoint = hooks.wrap_save_checkpoint(training.save_checkpoint)
+    training.training_log = hooks.lead_only_output(training.training_log)
+    training.evaluate_and_print_results = hooks.lead_only_output(training.evaluate_and_print_results)
+    training._mecefo_installed = True
 
 
 def wrap_pretrain(pretrain: Callable, state: State) -> Callable:

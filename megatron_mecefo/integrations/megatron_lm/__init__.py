@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from megatron_mecefo.integrations.common import add_args, one_replica_at_a_time, wrap_pretrain
+from megatron_mecefo.integrations.common import add_args, install_hooks, wrap_pretrain
 
 __all__ = ["install", "add_args"]
 
@@ -46,17 +46,5 @@ def install(pretrain: Callable) -> Callable:
 
     from megatron_mecefo.integrations.megatron_lm import training as hooks
 
-    if not getattr(training, "_mecefo_installed", False):
-        initialize._initialize_distributed = hooks.wrap_initialize_distributed(initialize._initialize_distributed)
-        initialize._compile_dependencies = one_replica_at_a_time(initialize._compile_dependencies,
-                                                                 lambda: hooks.STATE.active, _helpers_dir)
-        training.setup_model_and_optimizer = hooks.wrap_setup_model_and_optimizer(training.setup_model_and_optimizer)
-        training.build_train_valid_test_datasets = hooks.wrap_datasets(training.build_train_valid_test_datasets)
-        training.train_step = hooks.wrap_train_step(training.train_step)
-        training.evaluate = hooks.wrap_evaluate(training.evaluate)
-        training.save_checkpoint = hooks.wrap_save_checkpoint(training.save_checkpoint)
-        training.training_log = hooks.lead_only_output(training.training_log)
-        training.evaluate_and_print_results = hooks.lead_only_output(training.evaluate_and_print_results)
-        training._mecefo_installed = True
-
+    install_hooks(initialize, training, hooks, helpers_dir=_helpers_dir, wrap_evaluate=hooks.wrap_evaluate)
     return wrap_pretrain(pretrain, hooks.STATE)

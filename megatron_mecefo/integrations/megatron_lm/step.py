@@ -23,12 +23,12 @@ import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
-from megatron_mecefo.elastic.step import Host, StepDriver, training_state
+from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver, training_state
 
 __all__ = ["Step"]
 
 
-class Step:
+class Step(DrivenHost):
     """Megatron-LM's DDP model chunks, optimizer and scheduler as the host of MeCeFO's step driver."""
 
     def __init__(self, driver: StepDriver) -> None:
@@ -36,14 +36,6 @@ class Step:
         self.runtime = driver.runtime
         self.recompute_note = driver.recompute_note
         self._reports: list = []
-
-    @property
-    def last_loss(self) -> Optional[float]:
-        return self.driver.last_loss
-
-    @property
-    def last_committed(self) -> bool:
-        return self.driver.last_committed
 
     @classmethod
     def attach(cls, cfg: MeCeFOConfig, job: LaunchEnv, model, optimizer, scheduler, *, tensor_parallel: int,
