@@ -12,9 +12,9 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
-__all__ = ["RankPrefix", "EventLog"]
+__all__ = ["RankPrefix", "EventLog", "read_jsonl"]
 
 
 class RankPrefix(logging.LoggerAdapter):
@@ -54,3 +54,18 @@ class EventLog:
             yield extra
         finally:
             self.write(event, duration_s=time.monotonic() - start, **fields, **extra)
+
+
+def read_jsonl(path: Union[str, "os.PathLike[str]"]) -> List[Dict[str, Any]]:
+    """The records of an EventLog file ([] when it does not exist). A rank killed mid-write leaves a
+    torn last line: it is skipped."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out

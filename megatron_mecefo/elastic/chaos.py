@@ -23,7 +23,6 @@ failing schedule is reproduced with `Schedule.flags()` on the same command line.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 import signal
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
 from megatron_mecefo.elastic.topology import Grid, plan_cover
+from megatron_mecefo.log import read_jsonl
 from megatron_mecefo.errors import NoCoverAvailable
 
 __all__ = ["Fault", "Schedule", "random_schedule", "run_schedule", "check_run", "time_bound", "RunResult"]
@@ -163,28 +163,16 @@ def run_schedule(schedule: Schedule, script: Sequence[str], out: Path, *, limit_
                      (out / "launcher.err").read_text(errors="replace"))
 
 
-def _jsonl(path: Path) -> List[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a rank killed mid-write leaves a torn last line
-            pass
-    return out
-
-
 def step_records(log_dir: Path, world: int) -> Dict[int, List[dict]]:
     by_step: Dict[int, List[dict]] = defaultdict(list)
     for r in range(world):
-        for rec in _jsonl(log_dir / f"steps_rank{r}.jsonl"):
+        for rec in read_jsonl(log_dir / f"steps_rank{r}.jsonl"):
             by_step[rec["step"]].append(rec)
     return by_step
 
 
 def events(log_dir: Path, world: int, name: str) -> List[dict]:
-    return [e for r in range(world) for e in _jsonl(log_dir / f"events_rank{r}.jsonl") if e["event"] == name]
+    return [e for r in range(world) for e in read_jsonl(log_dir / f"events_rank{r}.jsonl") if e["event"] == name]
 
 
 def _check_steps(records: Dict[int, List[dict]], grid: Grid, k: int, last: int) -> List[str]:

@@ -102,6 +102,8 @@ class StepDriver:
         self.last_loss: Optional[float] = None
         """The job's loss of the last committed step (every replica's micro-batches)."""
         self.last_committed = False
+        self.committed = runtime.step
+        """Steps committed so far (the iteration upstream logs after a step): the same on every replica."""
         self.optimizer_result: Any = None
         self.record_extra: Dict[str, Any] = {}
         """Extra fields for this step's record in steps_rank{R}.jsonl."""
@@ -181,6 +183,7 @@ class StepDriver:
             self.host.zero_grad()
             return False
         self.last_loss = loss
+        self.committed = plan.step + 1
         self.fire("optimizer")
         if self.host.before_optimizer is not None:
             with self.runtime.replica_collectives(plan.step):

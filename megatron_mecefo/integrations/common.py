@@ -15,8 +15,10 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from megatron_mecefo.integrations.record import Record
+
 __all__ = ["UsageError", "usage_errors", "State", "add_args", "install_hooks", "wrap_pretrain", "micro_batch", "run_job",
-           "quiet_unless", "lead_only_save", "keep_training_set", "data_prefixes", "one_replica_at_a_time",
+           "lead_only_save", "keep_training_set", "data_prefixes", "one_replica_at_a_time",
            "arg_counters"]
 
 
@@ -49,6 +51,8 @@ class State:
     """The training set (on tensor-parallel rank 0: the only rank that reads data upstream)."""
     dp: int = 1
     """The original data-parallel size (replicas)."""
+    record: Any = None
+    """The Record of upstream's log lines and writer calls (record.py)."""
 
     @property
     def active(self) -> bool:
@@ -61,6 +65,8 @@ class State:
 
     def close(self, finished: bool) -> None:
         if self.driver is not None:
+            if finished and self.record is not None:  # a lead that died at the end: print what it had not
+                self.record.finish(timeout_s=self.cfg.heartbeat_timeout_s + 1.0)
             self.driver.runtime.close(finished=finished)
 
 
@@ -85,8 +91,9 @@ def install_hooks(initialize, training, hooks, *, helpers_dir: Callable[[], str]
     training.train_step = hooks.wrap_train_step(training.train_step)
     training.evaluate = wrap_evaluate(training.evaluate)
     training.save_checkpoint = hooks.wrap_save_checkpoint(training.save_checkpoint)
-    training.training_log = hooks.lead_only_output(training.training_log)
-    training.evaluate_and_print_results = hooks.lead_only_output(training.evaluate_and_print_results)
+    record = hooks.STATE.record = Record(hooks.STATE, training, make_tb_writer=hooks.make_tb_writer)
+    training.training_log = record.wrap(training.training_log)
+    training.evaluate_and_print_results = record.wrap(training.evaluate_and_print_results)
     training._mecefo_installed = True
 
 
@@ -143,19 +150,6 @@ def run_job(pretrain: Callable, *, mecefo_launcher: Callable[[], bool], close: C
         raise
     close(True)
     return out
-
-
-def quiet_unless(original: Callable, speaks: Callable[[], bool]) -> Callable:
-    """`original` with its stdout swallowed while `speaks()` is False (upstream's log functions
-    print on the last rank of each replica; one replica's lines are the job's)."""
-
-    def quiet(*a, **kw):
-        if speaks():
-            return original(*a, **kw)
-        with contextlib.redirect_stdout(io.StringIO()):
-            return original(*a, **kw)
-
-    return quiet
 
 
 def one_replica_at_a_time(original: Callable, active: Callable[[], bool], lock_dir: Callable[[], str]) -> Callable:

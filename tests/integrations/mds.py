@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional
 
 import pytest
 
+from megatron_mecefo.log import read_jsonl
 from tests.helpers import ROOT, run_launcher
 
 STUBS = Path(__file__).resolve().parent / "stubs"
@@ -172,3 +173,35 @@ def assert_same_run(orig, patched, mecefo, iters: int = 10, evals=(5, 10)) -> No
     assert sorted(v_got) == sorted(v_want) == list(evals)
     for it in v_want:
         assert v_got[it] == pytest.approx(v_want[it], rel=1e-5)
+
+
+def step_records(log_dir: Path):
+    """step -> the records of every rank that committed it (steps_rank*.jsonl)."""
+    steps = {}
+    for f in sorted(log_dir.glob("steps_rank*.jsonl")):
+        for r in read_jsonl(f):
+            steps.setdefault(r["step"], []).append(r)
+    return steps
+
+
+def check_whole_and_identical(log_dir: Path, dp: int, k: int, iters: int, tp: int = 1) -> None:
+    """Every step ran the dp x k micro-batches of the global batch, and the replicas' shards at each
+    tensor-parallel position were bit-identical at its start."""
+    steps = step_records(log_dir)
+    assert sorted(steps) == list(range(iters))
+    for step, records in steps.items():
+        ran = {(m[0], m[1]) for r in records for m in r["micro_batches"]}
+        assert ran == {(d, j) for d in range(dp) for j in range(k)}, f"step {step} did not run the whole global batch"
+        for position in range(tp):
+            shards = {r["param_sha256"] for r in records if r["rank"] % tp == position}
+            assert len(shards) == 1, f"replicas differ at the start of step {step} (tp rank {position})"
+
+
+def record(out: str) -> Dict[str, Dict[int, int]]:
+    """How often each iteration's log line and each evaluation appear in upstream's output."""
+    counts: Dict[str, Dict[int, int]] = {"iteration": {}, "evaluation": {}}
+    for m in _ITER.finditer(out):
+        counts["iteration"][int(m.group(1))] = counts["iteration"].get(int(m.group(1)), 0) + 1
+    for m in re.finditer(r"(?:validation|test) loss at iteration (\d+)", out):
+        counts["evaluation"][int(m.group(1))] = counts["evaluation"].get(int(m.group(1)), 0) + 1
+    return counts

@@ -14,29 +14,6 @@ from tests.integrations import mds
 pytestmark = [pytest.mark.dist]
 
 
-def _steps(log_dir: Path):
-    """step -> the records of every rank that committed it (steps_rank*.jsonl)."""
-    steps = {}
-    for f in log_dir.glob("steps_rank*.jsonl"):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            steps.setdefault(r["step"], []).append(r)
-    return steps
-
-
-def _check_whole_and_identical(log_dir: Path, dp: int, k: int, iters: int, tp: int = 1) -> None:
-    """Every step ran the dp x k micro-batches of the global batch, and the replicas' shards at each
-    tensor-parallel position were bit-identical at its start."""
-    steps = _steps(log_dir)
-    assert sorted(steps) == list(range(iters))
-    for step, records in steps.items():
-        ran = {(m[0], m[1]) for r in records for m in r["micro_batches"]}
-        assert ran == {(d, j) for d in range(dp) for j in range(k)}, f"step {step} did not run the whole global batch"
-        for position in range(tp):
-            shards = {r["param_sha256"] for r in records if r["rank"] % tp == position}
-            assert len(shards) == 1, f"replicas differ at the start of step {step} (tp rank {position})"
-
-
 def test_no_failure_matches_the_unpatched_run(mds_checkout, tmp_path):
     """Without --mecefo the patched script is upstream's (same losses, bit for bit); with --mecefo
     and no failure the loss curve and the validation losses are upstream's (float summation order)."""
@@ -69,7 +46,7 @@ def test_kill_is_absorbed_exactly_with_approximations_off(mds_checkout, tmp_path
     for it in want:
         assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
     assert mds.consumed(killed.stdout)[10] == 10 * 4  # every step consumed the whole global batch
-    _check_whole_and_identical(tmp_path / "killed", dp=2, k=2, iters=10)
+    mds.check_whole_and_identical(tmp_path / "killed", dp=2, k=2, iters=10)
 
 
 @pytest.mark.fault
@@ -91,7 +68,7 @@ def test_kill_and_rejoin_with_approximations(mds_checkout, tmp_path):
     rejoined = [e for e in events if e["event"] == "rejoined"]
     assert [e["step"] for e in rejoined] == [21], f"rank 1 did not rejoin after step 20:\n{out.stdout[-6000:]}"
     assert "generation 1: members [0, 2], cover {1: 2}" in out.stdout
-    _check_whole_and_identical(log_dir, dp=3, k=2, iters=iters)
+    mds.check_whole_and_identical(log_dir, dp=3, k=2, iters=iters)
     assert mds.consumed(out.stdout)[iters] == iters * 6
     losses = mds.losses(out.stdout)
     assert [losses[i] for i in (10, 20, 30, 40)] == sorted(losses[i] for i in (10, 20, 30, 40))[::-1], losses
@@ -115,8 +92,8 @@ def test_tensor_parallel_replica_retires_and_is_covered(mds_checkout, tmp_path):
     assert out.returncode == 0, out.stdout[-6000:]
     assert "rank 2 (pid" in out.stdout and "exit code 4" in out.stdout
     assert "generation 1: members [0, 1], cover {1: 0}" in out.stdout
-    _check_whole_and_identical(log_dir, dp=2, k=2, iters=iters, tp=2)
-    assert all(s["step"] < 4 or s["rank"] in (0, 1) for r in _steps(log_dir).values() for s in r)
+    mds.check_whole_and_identical(log_dir, dp=2, k=2, iters=iters, tp=2)
+    assert all(s["step"] < 4 or s["rank"] in (0, 1) for r in mds.step_records(log_dir).values() for s in r)
     assert mds.consumed(out.stdout)[iters] == iters * 4
     assert sorted(mds.val_losses(out.stdout)) == [10, 20]
 
@@ -163,3 +140,21 @@ def test_refused_setups_end_before_training(mds_checkout, tmp_path):
     assert zero.returncode == 2, zero.stdout[-3000:]
     assert 'error: ds_config "zero_optimization.stage"=1 is not supported with MeCeFO' in zero.stdout
     assert "iteration        1/" not in pipe.stdout + zero.stdout
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("phase", ["forward", "backward", "allreduce", "optimizer"])
+def test_the_record_survives_the_lead(mds_checkout, tmp_path, phase):
+    """3 replicas; rank 0, the lead (its replica prints, evaluates and saves for the job), is
+    SIGKILLed at step 4 in `phase` and not restarted. In "optimizer" it dies after step 4 was
+    committed and before it printed iteration 5 and its evaluation: the next lead prints them.
+    Every iteration is logged once and every evaluation once, as in a run without a failure."""
+    root, data = mds_checkout
+    extra = ["--mecefo", "--mecefo-rank", "16"]
+    out = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds.json", dp=3, iters=8,
+                                              extra=extra + ["--mecefo-inject", f"kill:0:4:{phase}"]))
+    assert out.returncode == 0, out.stdout[-6000:]
+    assert "[mecefo inject] rank 0: kill at step 4" in out.stdout
+    got = mds.record(out.stdout)
+    assert got["iteration"] == {i: 1 for i in range(1, 9)}, got
+    assert got["evaluation"] == {5: 1, 8: 2}, got  # upstream: at 5, and at the end (validation, test)

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from tests.integrations import mds, mlm
-from tests.integrations.test_megatron_deepspeed import _check_whole_and_identical, _steps
 
 pytestmark = [pytest.mark.dist]
 
@@ -48,8 +47,8 @@ def test_kill_is_absorbed_exactly_with_approximations_off(mlm_checkout, tmp_path
     for it in want:
         assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
     assert mds.consumed(killed.stdout)[10] == 10 * 4  # every step consumed the whole global batch
-    _check_whole_and_identical(tmp_path / "killed", dp=2, k=2, iters=10)
-    assert all(len(r["micro_batches"]) == 4 for s in _steps(tmp_path / "killed").values() for r in s if r["step"] >= 4)
+    mds.check_whole_and_identical(tmp_path / "killed", dp=2, k=2, iters=10)
+    assert all(len(r["micro_batches"]) == 4 for s in mds.step_records(tmp_path / "killed").values() for r in s if r["step"] >= 4)
 
 
 @pytest.mark.fault
@@ -70,7 +69,7 @@ def test_kill_and_rejoin_with_approximations(mlm_checkout, tmp_path):
     events = [json.loads(line) for line in (log_dir / "events_rank1.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "rejoined"] == [21], f"rank 1 did not rejoin:\n{launcher}"
     assert "generation 1: members [0, 2], cover {1: 2}" in out.stdout
-    _check_whole_and_identical(log_dir, dp=3, k=2, iters=iters)
+    mds.check_whole_and_identical(log_dir, dp=3, k=2, iters=iters)
     assert mds.consumed(out.stdout)[iters] == iters * 6
     losses = mds.losses(out.stdout)
     assert [losses[i] for i in (10, 20, 30, 40)] == sorted(losses[i] for i in (10, 20, 30, 40))[::-1], losses
@@ -92,8 +91,8 @@ def test_tensor_parallel_replica_retires_and_is_covered(mlm_checkout, tmp_path):
     assert out.returncode == 0, out.stdout[-6000:]
     assert "rank 2 (pid" in out.stdout and "exit code 4" in out.stdout
     assert "generation 1: members [0, 1], cover {1: 0}" in out.stdout
-    _check_whole_and_identical(log_dir, dp=2, k=2, iters=iters, tp=2)
-    assert all(s["step"] < 4 or s["rank"] in (0, 1) for r in _steps(log_dir).values() for s in r)
+    mds.check_whole_and_identical(log_dir, dp=2, k=2, iters=iters, tp=2)
+    assert all(s["step"] < 4 or s["rank"] in (0, 1) for r in mds.step_records(log_dir).values() for s in r)
     assert mds.consumed(out.stdout)[iters] == iters * 4
     assert sorted(mds.val_losses(out.stdout)) == [10, 20]
 
@@ -159,3 +158,19 @@ def test_gpu_smoke(mlm_checkout, tmp_path):
     assert out.returncode == 0, out.stdout[-6000:]
     assert sorted(mds.losses(out.stdout)) == list(range(1, 6))
     assert len((Path(tmp_path / "log") / "steps_rank0.jsonl").read_text().splitlines()) == 5
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("phase", ["forward", "backward", "allreduce", "optimizer"])
+def test_the_record_survives_the_lead(mlm_checkout, tmp_path, phase):
+    """3 replicas; rank 0, the lead (its replica prints, evaluates and saves for the job), is
+    SIGKILLed at step 4 in `phase` and not restarted. In "optimizer" it dies after step 4 was
+    committed and before it printed iteration 5 and its evaluation: the next lead prints them.
+    Every iteration is logged once and every evaluation once, as in a run without a failure."""
+    out = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=8, extra=[
+        "--mecefo", "--mecefo-rank", "16", "--mecefo-inject", f"kill:0:4:{phase}"]))
+    assert out.returncode == 0, out.stdout[-6000:]
+    assert "[mecefo inject] rank 0: kill at step 4" in out.stdout
+    got = mds.record(out.stdout)
+    assert got["iteration"] == {i: 1 for i in range(1, 9)}, got
+    assert got["evaluation"] == {5: 1, 8: 2}, got  # upstream: at 5, and at the end (validation, test)

@@ -33,10 +33,10 @@ import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.integrations.common import (State, UsageError, arg_counters, data_prefixes, keep_training_set,
-                                                  lead_only_save, micro_batch, quiet_unless, usage_errors)
+                                                  lead_only_save, micro_batch, usage_errors)
 
 __all__ = ["UsageError", "State", "STATE", "check_args", "wrap_initialize_distributed", "wrap_setup_model_and_optimizer",
-           "wrap_train_step", "wrap_datasets", "wrap_save_checkpoint", "wrap_evaluate", "lead_only_output"]
+           "wrap_train_step", "wrap_datasets", "wrap_save_checkpoint", "wrap_evaluate", "make_tb_writer"]
 
 
 STATE = State()
@@ -269,6 +269,14 @@ def wrap_save_checkpoint(original: Callable) -> Callable:
     return lead_only_save(original, STATE)
 
 
-def lead_only_output(original: Callable) -> Callable:
-    """Upstream's log functions print on the last rank of each replica: silence the others."""
-    return quiet_unless(original, lambda: not STATE.active or STATE.lead())
+def make_tb_writer():
+    """A TensorBoard writer for a replica whose logging rank upstream gave none (upstream makes one
+    on the job's last rank only): the record's lead writes through it (record.py)."""
+    from megatron import get_args
+
+    args = get_args()
+    if not getattr(args, "tensorboard_dir", None):
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=args.tensorboard_dir, max_queue=getattr(args, "tensorboard_queue_size", 1000))

@@ -1,0 +1,168 @@
+"""The run's record survives the lead: every committed iteration's log line and every evaluation
+is printed once, by whichever replica leads when it is due, and TensorBoard / W&B writes follow.
+
+Upstream's log functions (`training_log`, `evaluate_and_print_results`) run on every replica (each
+computes the job's loss). Every replica captures what a call prints and writes to its TensorBoard
+/ W&B writer; the lead (the lowest live replica) emits it at once and records in the job's store
+the last entry it emitted; the others keep their last entries. A replica that becomes the lead
+(the old one died after a step was committed and before it printed) first emits what it holds
+beyond the store's mark, and so does, when training ends, the lowest replica still alive if the
+lead died at the end. Entries are keyed by (committed iteration, call number within it), the
+same on every replica. What it does not handle: a lead that dies between printing a line and
+recording it (a window of microseconds) makes the line appear twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import json
+import sys
+import time
+from typing import Any, Callable, Deque, List, Optional, Tuple
+
+__all__ = ["Record", "Recorder"]
+
+_MARK = "record/emitted"
+_KEEP = 64  # entries kept by a non-lead replica: a dead lead is replaced within a step or two
+
+
+class Recorder:
+    """A stand-in for a TensorBoard SummaryWriter or the W&B module: records every call."""
+
+    def __init__(self, calls: List[Tuple[str, str, tuple, dict]], kind: str) -> None:
+        self._calls, self._kind = calls, kind
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        def record(*args: Any, **kwargs: Any) -> None:
+            self._calls.append((self._kind, name, args, kwargs))
+
+        return record
+
+
+class Record:
+    """Wraps upstream's log functions for one rank (see the module docstring).
+
+    Args:
+        state: the adapter's `common.State` (its driver, its lead()).
+        training: upstream's training module (its `get_tensorboard_writer` / `get_wandb_writer`).
+        make_tb_writer: () -> a SummaryWriter or None, for a replica whose rank upstream gave none
+            (upstream creates one on the job's last rank only).
+    """
+
+    def __init__(self, state, training, make_tb_writer: Callable[[], Any] = lambda: None) -> None:
+        self.state = state
+        self.training = training
+        self.make_tb_writer = make_tb_writer
+        self.pending: Deque[Tuple[Tuple[int, int], str, list]] = collections.deque(maxlen=_KEEP)
+        self._key: Tuple[int, int] = (-1, -1)
+        self._was_lead = False
+        self._tb = None
+        self._getters: Optional[dict] = None
+
+    # -- wrapping ---------------------------------------------------------------------------------
+
+    def wrap(self, original: Callable) -> Callable:
+        def logged(*a, **kw):
+            if not self.state.active or self.state.driver is None:
+                return original(*a, **kw)
+            key = self._next_key()
+            text, calls = io.StringIO(), []
+            with contextlib.redirect_stdout(text), self._recording(calls):
+                out = original(*a, **kw)
+            self._add(key, text.getvalue(), calls)
+            return out
+
+        return logged
+
+    def _next_key(self) -> Tuple[int, int]:
+        iteration = self.state.driver.driver.committed
+        self._key = (iteration, self._key[1] + 1 if self._key[0] == iteration else 0)
+        return self._key
+
+    @contextlib.contextmanager
+    def _recording(self, calls: list):
+        t = self.training
+        if self._getters is None:
+            self._getters = {name: getattr(t, name) for name in ("get_tensorboard_writer", "get_wandb_writer")
+                             if hasattr(t, name)}
+        tb = self._getters.get("get_tensorboard_writer")
+        wandb = self._getters.get("get_wandb_writer")
+        if tb is not None:
+            t.get_tensorboard_writer = lambda: Recorder(calls, "tb") if (tb() or self._tb_wanted()) else None
+        if wandb is not None:
+            t.get_wandb_writer = lambda: Recorder(calls, "wandb") if wandb() is not None else None
+        try:
+            yield
+        finally:
+            for name, getter in self._getters.items():
+                setattr(t, name, getter)
+
+    def _tb_wanted(self) -> bool:
+        """Upstream gave this rank no writer: one is made for the rank that logs in each replica
+        (its last, where upstream prints), so that TensorBoard moves with the lead."""
+        import torch.distributed as dist
+
+        logs = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+        return logs and self._tb_writer() is not None
+
+    def _tb_writer(self):
+        if self._tb is None:
+            self._tb = self._getters["get_tensorboard_writer"]() or self.make_tb_writer()
+        return self._tb
+
+    # -- emitting ---------------------------------------------------------------------------------
+
+    def _add(self, key, text: str, calls: list) -> None:
+        if text or calls:
+            self.pending.append((key, text, calls))
+        lead = self.state.lead()
+        if lead:
+            if not self._was_lead:  # the lead changed: emit what the old one had not
+                self._emit(after=self._mark())
+            else:
+                self._emit(after=(key[0], key[1] - 1))
+        self._was_lead = lead
+
+    def _mark(self) -> Tuple[int, int]:
+        store = self.state.driver.runtime.store
+        if not store.check([_MARK]):
+            return (-1, -1)
+        return tuple(json.loads(store.get(_MARK)))
+
+    def _emit(self, after: Tuple[int, int]) -> None:
+        last = None
+        while self.pending:
+            key, text, calls = self.pending.popleft()
+            if key <= after:
+                continue
+            sys.stdout.write(text)
+            for kind, name, args, kwargs in calls:
+                writer = self._tb_writer() if kind == "tb" else self._getters.get("get_wandb_writer", lambda: None)()
+                if writer is not None:
+                    getattr(writer, name)(*args, **kwargs)
+            last = key
+        if last is not None:
+            sys.stdout.flush()
+            self.state.driver.runtime.store.set(_MARK, json.dumps(list(last)))
+
+    def finish(self, timeout_s: float) -> None:
+        """At the end of training: if the lead died with entries this replica holds unprinted, the
+        lowest replica still alive emits them. Waits at most `timeout_s` for the lead to print."""
+        if not self.pending or self.state.driver is None:
+            return
+        rt = self.state.driver.runtime
+        mine = rt.grid.replica_of(rt.rank)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._mark() >= self.pending[-1][0]:
+                return  # the lead printed everything
+            live = [r for r in sorted(rt.plan_cover().live)
+                    if set(rt.grid.ranks_of_replica(r)) <= set(rt.membership.alive(rt.grid.ranks_of_replica(r)))]
+            if live and live[0] == mine:
+                self._emit(after=self._mark())
+                return
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)

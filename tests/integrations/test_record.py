@@ -1,0 +1,86 @@
+"""The record (integrations/record.py) on one rank, with fakes for the job's store and upstream's
+training module: what a non-lead replica holds is printed, and written to TensorBoard, by it once
+it leads, after the store's mark; the last entries of a lead that died at the end are printed by
+the lowest replica left."""
+
+import types
+
+import pytest
+
+from megatron_mecefo.elastic.topology import CoverPlan, Grid
+from megatron_mecefo.integrations.record import Record
+
+pytestmark = pytest.mark.unit
+
+
+class FakeStore(dict):
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+    def get(self, key):
+        return super().__getitem__(key).encode()
+
+    def set(self, key, value):
+        self[key] = value
+
+
+class FakeWriter:
+    def __init__(self):
+        self.calls = []
+
+    def add_scalar(self, *args):
+        self.calls.append(args)
+
+
+def make(replica, lead, alive=(0, 1, 2)):
+    store, writer = FakeStore(), FakeWriter()
+    grid = Grid(dp=3)
+    rt = types.SimpleNamespace(store=store, rank=replica, grid=grid,
+                               plan_cover=lambda: CoverPlan(grid=grid, live=(0, 1, 2), cover={}),
+                               membership=types.SimpleNamespace(alive=lambda ranks: [r for r in ranks if r in alive]))
+    driver = types.SimpleNamespace(runtime=rt, driver=types.SimpleNamespace(committed=0))
+    state = types.SimpleNamespace(active=True, driver=driver, lead=lambda: lead[0])
+    training = types.SimpleNamespace(get_tensorboard_writer=lambda: None, get_wandb_writer=lambda: None)
+
+    def training_log(iteration):  # upstream's: prints and writes through the module's getter
+        print(f" iteration {iteration}")
+        w = training.get_tensorboard_writer()
+        if w is not None:
+            w.add_scalar("lm loss", 1.0 / iteration, iteration)
+
+    record = Record(state, training, make_tb_writer=lambda: writer)
+    return record, record.wrap(training_log), driver.driver, store, writer
+
+
+def test_a_new_lead_prints_what_the_old_one_had_not(capsys):
+    lead = [False]
+    record, log, driver, store, writer = make(replica=1, lead=lead)
+    for it in (4, 5):
+        driver.committed = it
+        log(it)
+    assert capsys.readouterr().out == "" and writer.calls == []  # not the lead: held
+    store.set("record/emitted", "[4, 0]")  # the old lead printed iteration 4, then died
+    lead[0] = True
+    driver.committed = 6
+    log(6)
+    assert capsys.readouterr().out == " iteration 5\n iteration 6\n"
+    assert writer.calls == [("lm loss", 1 / 5, 5), ("lm loss", 1 / 6, 6)], "TensorBoard moves with the lead"
+    assert store["record/emitted"] == "[6, 0]"
+    driver.committed = 7
+    log(7)
+    assert capsys.readouterr().out == " iteration 7\n"
+
+
+def test_the_lowest_replica_left_prints_the_end_of_a_dead_lead(capsys):
+    record, log, driver, store, writer = make(replica=1, lead=[False], alive=(1, 2))
+    driver.committed = 8
+    log(8)
+    store.set("record/emitted", "[7, 0]")
+    record.finish(timeout_s=1.0)
+    assert capsys.readouterr().out == " iteration 8\n"
+    other, log2, driver2, store2, _ = make(replica=2, lead=[False], alive=(1, 2))
+    driver2.committed = 8
+    log2(8)
+    store2.set("record/emitted", "[7, 0]")
+    other.finish(timeout_s=0.3)  # replica 1 is alive and lower: replica 2 stays quiet
+    assert capsys.readouterr().out == ""
