@@ -5,7 +5,7 @@ from __future__ import annotations
 __all__ = [
     "MeCeFOError", "RankFailure", "GaveUp", "NoCoverAvailable", "StateLost", "AgreementTimeout", "JobAborted",
     "NotAMember", "ReplicaLost", "JoinTimeout", "JobFinished", "IncompleteStep", "JobConflict", "GAVE_UP_EXIT_CODE",
-    "USAGE_EXIT_CODE", "RETIRED_EXIT_CODE",
+    "USAGE_EXIT_CODE", "RETIRED_EXIT_CODE", "run_to_exit",
 ]
 
 GAVE_UP_EXIT_CODE = 3
@@ -80,3 +80,47 @@ class JoinTimeout(MeCeFOError):
 
 class JobFinished(MeCeFOError):
     """A restarted rank came back after training ended: nothing to rejoin; exit cleanly."""
+
+
+def run_to_exit(main, *, usage: tuple = (ValueError,), under_mecefo_launch=lambda: True, close=None):
+    """Run `main()` and end the process as the launchers expect of a MeCeFO rank: the one mapping
+    from how a job ends to exit codes, used by the examples and both upstream adapters.
+
+    * JobFinished (a restarted rank came back after training ended): a note, returns None.
+    * GaveUp: why, and where the checkpoint of the last committed step is; exit GAVE_UP_EXIT_CODE.
+    * NotAMember (left out: presumed failed, or its replica lost a rank): exit RETIRED_EXIT_CODE so
+      mecefo-launch restarts it (0 under launchers that end every rank when one fails), without
+      interpreter teardown (destructors of broken process groups can abort).
+    * `usage` errors (bad input before training) and JobConflict: "error: ..."; exit USAGE_EXIT_CODE.
+
+    Args:
+        under_mecefo_launch: () -> whether mecefo-launch started this rank.
+        close: (finished: bool) -> None, run when `main` returns (True) or exits on its own
+            (SystemExit: True when its code is 0).
+    """
+    import os
+    import sys
+
+    try:
+        out = main()
+    except JobFinished as e:
+        print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
+        return None
+    except GaveUp as e:
+        where = f"checkpoint of the last committed step written to {e.checkpoint}" if e.checkpoint else \
+            "no checkpoint written here"
+        print(f"MeCeFO: cannot continue: {e} ({where})", file=sys.stderr, flush=True)
+        sys.exit(GAVE_UP_EXIT_CODE)
+    except NotAMember as e:
+        print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
+        os._exit(RETIRED_EXIT_CODE if under_mecefo_launch() else 0)
+    except (JobConflict,) + tuple(usage) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(USAGE_EXIT_CODE)
+    except SystemExit as e:  # the script's own exits (upstream's --exit-interval, its signal handler)
+        if close is not None:
+            close(e.code in (None, 0))
+        raise
+    if close is not None:
+        close(True)
+    return out

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_mecefo.config import MeCeFOConfig
-from megatron_mecefo.errors import GAVE_UP_EXIT_CODE, RETIRED_EXIT_CODE, USAGE_EXIT_CODE, GaveUp, JobFinished, NotAMember
+from megatron_mecefo.errors import run_to_exit
 
 
 def parse_args(argv=None):
@@ -355,19 +355,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except JobFinished as e:
-        print(f"MeCeFO: {e}", file=sys.stderr)
-    except GaveUp as e:
-        where = f"checkpoint of the last committed step written to {e.checkpoint}" if e.checkpoint else "no checkpoint written here"
-        print(f"MeCeFO: cannot continue: {e} ({where})", file=sys.stderr)
-        sys.exit(GAVE_UP_EXIT_CODE)
-    except NotAMember as e:  # left out (presumed failed, or its replica lost a rank): the launcher restarts it
-        print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
-        from megatron_mecefo.config import LaunchEnv
+    from megatron_mecefo.config import LaunchEnv
 
-        os._exit(RETIRED_EXIT_CODE if LaunchEnv.read().mecefo_launcher else 0)  # no teardown of broken groups (it can abort)
-    except (ValueError, FileNotFoundError) as e:  # bad input, a store of another job (JobConflict), a bad checkpoint
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(USAGE_EXIT_CODE)
+    # how a MeCeFO job ends -> exit codes: 3 gave up, 4 left the job (restarted), 2 bad input
+    # (a flag, a store of another job, a bad checkpoint)
+    run_to_exit(main, usage=(ValueError, FileNotFoundError), under_mecefo_launch=lambda: LaunchEnv.read().mecefo_launcher)

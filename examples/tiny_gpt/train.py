@@ -32,7 +32,7 @@ import torch
 
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic.fold import sample_range
-from megatron_mecefo.errors import GAVE_UP_EXIT_CODE, USAGE_EXIT_CODE, GaveUp, JobConflict, JobFinished
+from megatron_mecefo.errors import run_to_exit
 
 VOCAB, SEQ = 128, 16
 
@@ -96,11 +96,7 @@ def main():
         args.mecefo_log_param_hash = True
     from megatron_mecefo.layers.model import init_model_parallel
 
-    try:
-        job = init_distributed()
-    except JobConflict as e:  # MASTER_PORT is held by the store of another (earlier) job
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(USAGE_EXIT_CODE)
+    job = run_to_exit(init_distributed)  # exit 2 when MASTER_PORT is held by the store of another job
     init_model_parallel(1, 1, seed=3)
     model = build_model()
     ds_config = {
@@ -111,7 +107,8 @@ def main():
         "steps_per_print": 10_000,
         "mecefo": {"enable": not args.no_mecefo, **MECEFO, "log_dir": str(args.out)},
     }
-    try:
+
+    def train():
         engine = initialize(model=model, config=ds_config, args=args, train_iters=args.steps,
                             save_dir=str(args.out / "checkpoint"))
         world, k, mb_size = job.world, engine.runtime.k, engine.micro_batch_size
@@ -135,15 +132,12 @@ def main():
                     log_iteration(engine, args.steps, t_last, args.log_interval)
                     t_last = time.monotonic()
                     degraded = engine.runtime.plan_cover().degraded
-    except GaveUp as e:
-        print(f"MeCeFO: cannot continue: {e} (checkpoint: {e.checkpoint or 'none'})", file=sys.stderr, flush=True)
-        sys.exit(GAVE_UP_EXIT_CODE)
-    except JobFinished as e:
-        print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
+        return engine
+
+    # exits 3 (gave up), 4 (left the job: mecefo-launch restarts it), 2 (bad input)
+    engine = run_to_exit(train, under_mecefo_launch=lambda: job.mecefo_launcher)
+    if engine is None:  # a restarted rank came back after training ended
         return
-    except ValueError as e:  # bad input, or a store that is not this job's (JobConflict)
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(USAGE_EXIT_CODE)
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     digest = param_digest(engine.module)
     opt = engine.optimizer.state_dict()["state"]

@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import io
 import os
-import sys
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -122,34 +121,11 @@ def micro_batch(dataset, consumed: int, replica: int, index: int, *, micro_batch
 
 
 def run_job(pretrain: Callable, *, mecefo_launcher: Callable[[], bool], close: Callable[[bool], None]):
-    """Run upstream's `pretrain()` and map how a MeCeFO job ends to the launcher's exit codes:
-    3 gave up (with a checkpoint where one could be written), 4 this rank left the job and is
-    restarted (0 under launchers that kill every rank when one fails), 2 bad input."""
-    from megatron_mecefo.errors import (GAVE_UP_EXIT_CODE, RETIRED_EXIT_CODE, USAGE_EXIT_CODE, GaveUp, JobConflict,
-                                        JobFinished, NotAMember)
+    """Run upstream's `pretrain()`; how a MeCeFO job ends becomes the launcher's exit codes
+    (errors.run_to_exit: 3 gave up, 4 left the job and is restarted, 2 bad input)."""
+    from megatron_mecefo.errors import run_to_exit
 
-    try:
-        out = pretrain()
-    except JobFinished as e:  # a restarted rank came back after training ended
-        print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
-        return None
-    except GaveUp as e:
-        where = f"checkpoint of the last committed step written to {e.checkpoint}" if e.checkpoint else \
-            "no checkpoint written here"
-        print(f"MeCeFO: cannot continue: {e} ({where})", file=sys.stderr, flush=True)
-        sys.exit(GAVE_UP_EXIT_CODE)
-    except NotAMember as e:  # left out (presumed failed, or its replica lost a rank): the launcher restarts it
-        print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
-        os._exit(RETIRED_EXIT_CODE if mecefo_launcher() else 0)
-    except (UsageError, JobConflict) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(USAGE_EXIT_CODE)
-    except SystemExit as e:  # upstream's own exits (--exit-interval, a kill-switch file, SIGTERM handler)
-        close(e.code in (None, 0))
-        raise
-    close(True)
-    return out
+    return run_to_exit(pretrain, usage=(UsageError,), under_mecefo_launch=mecefo_launcher, close=close)
 
 
 def one_replica_at_a_time(original: Callable, active: Callable[[], bool], lock_dir: Callable[[], str]) -> Callable:
