@@ -58,3 +58,56 @@ def test_only_deepspeed_hook_imports_deepspeed():
         for line in path.read_text().splitlines():
             stripped = line.strip()
             assert not stripped.startswith(("import deepspeed", "from deepspeed")), f"{path}: {line}"
+
+
+def _imports(module: str, path: Path, known: set) -> set:
+    """The package's modules that importing `module` may import, at module level or inside a
+    function (a function-level import runs the same code, later), with the packages around them."""
+    import ast
+
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("megatron_mecefo")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if base.startswith("megatron_mecefo"):
+                found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
+    out = set()
+    for target in found:  # `import a.b.c` runs a/__init__, a/b/__init__ and a/b/c
+        parts = target.split(".")
+        out |= {".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in known}
+    # a module's own enclosing packages are being imported already: not a dependency of it
+    return {t for t in out if t != module and not module.startswith(t + ".")}
+
+
+def test_no_import_runs_back_up_the_layering():
+    """The package's import graph, function-level imports included, has no cycle: a module never
+    imports (now or inside a function) something that imports it back. Catches what a subprocess
+    import check cannot: config.py parsing traces through an import inside a function of a module
+    whose package imports the runtime, which imports config."""
+    files = {}
+    for path in (ROOT / "megatron_mecefo").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {m: _imports(m, p, set(files)) for m, p in files.items()}
+    state, stack, cycles = {}, [], []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                cycles.append(" -> ".join(stack[stack.index(n):] + [n]))
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "imports that run back up the layering:\n" + "\n".join(cycles)
