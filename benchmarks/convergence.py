@@ -113,7 +113,7 @@ def aggregated_grad_error(args, ckpt: Path, batches=3, approximate="all", replic
     from megatron_mecefo.config import cache_root
     from megatron_mecefo.data.corpus import stdlib_corpus
     from megatron_mecefo.data.gpt import build_gpt_datasets, collate
-    from megatron_mecefo.elastic import Grid, fold_neighbor, plan_cover, reference_gradient, sample_range
+    from megatron_mecefo.elastic import Grid, fold_neighbor, ring_cover, reference_gradient, sample_range
     from megatron_mecefo.layers.model import init_model_parallel
     from megatron_mecefo.params import GradGroup, grad_group
 
@@ -133,7 +133,7 @@ def aggregated_grad_error(args, ckpt: Path, batches=3, approximate="all", replic
                                   cache_dir=str(Path(cache_root()) / "index-cache"))
     cfg = MeCeFOConfig(enable=True, rank=args.mecefo_rank, approximate=approximate)
     failed = failed_replicas(n, FRACTION["high"])
-    fold = fold_neighbor(plan_cover(Grid(dp=n), [r for r in range(n) if r not in failed]), k, approximate=approximate)
+    fold = fold_neighbor(ring_cover(Grid(dp=n), [r for r in range(n) if r not in failed]), k, approximate=approximate)
 
     groups = {name: "mha" if grad_group(p) is GradGroup.MHA else "other" for name, p in model.named_parameters()}
 

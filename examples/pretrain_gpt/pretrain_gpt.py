@@ -296,7 +296,7 @@ def main(argv=None):
     grid = Grid(tp=tp, pp=pp, dp=dp)
     _, _, my_replica = grid.coords(env.rank)
     # Megatron prints from the last stage; here: tp rank 0, last stage, of the lowest live replica
-    lead_replica = lambda: min(rt.plan_cover().live) if rt else 0  # noqa: E731
+    lead_replica = lambda: min(rt.cover_map().live) if rt else 0  # noqa: E731
     is_logger = lambda: env.rank == grid.rank(0, pp - 1, lead_replica())  # noqa: E731
     if rt is not None and is_logger() and not rt.rejoined:
         print(f" mecefo: job {rt.job_id} | {engine.recompute_note} | starting at iteration {engine.global_steps}", flush=True)
@@ -329,9 +329,9 @@ def main(argv=None):
         it = engine.global_steps
         if is_logger() and it % args.log_interval == 0:
             lm = engine.last_loss if rt else sum(losses) / len(losses)
-            live = rt.plan_cover().live if rt else ()
+            live = rt.cover_map().live if rt else ()
             state = (f" | mecefo: gen {rt.generation} live {len(live)}/{dp} cover "
-                     f"{', '.join(f'{f}->{c}' for f, c in sorted(rt.plan_cover().cover.items())) or 'none'}" if rt else "")
+                     f"{', '.join(f'{f}->{c}' for f, c in sorted(rt.cover_map().cover.items())) or 'none'}" if rt else "")
             print(f" iteration {it:8d}/{args.train_iters:8d} | consumed samples: {it * gbs:12d} | elapsed time per iteration (ms): "
                   f"{1000 * (time.monotonic() - t_last) / args.log_interval:8.1f} | learning rate: {engine.get_lr()[0]:.6E} | "
                   f"global batch size: {gbs:5d} | lm loss: {lm:.6E}{state} |", flush=True)

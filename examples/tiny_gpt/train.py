@@ -57,7 +57,7 @@ def log_iteration(engine, total, t_last, interval=1):
     rt = engine.runtime
     if rt.rank != min(rt.members):
         return
-    cover = ", ".join(f"{f}->{c}" for f, c in sorted(rt.plan_cover().cover.items())) or "none"
+    cover = ", ".join(f"{f}->{c}" for f, c in sorted(rt.cover_map().cover.items())) or "none"
     print(
         f" iteration {engine.global_steps:8d}/{total:8d} | consumed samples: {engine.global_steps * rt.world * rt.k * engine.micro_batch_size:10d}"
         f" | elapsed time per iteration (ms): {1000 * (time.monotonic() - t_last) / interval:7.1f} | learning rate: {engine.get_lr()[0]:.3E}"
@@ -128,10 +128,10 @@ def main():
                 loss = engine(tokens, pos, None, labels=labels).float().mean()
                 engine.backward(loss)
                 time.sleep(args.step_sleep)
-                if engine.step() and (engine.global_steps % args.log_interval == 0 or engine.runtime.plan_cover().degraded != degraded):
+                if engine.step() and (engine.global_steps % args.log_interval == 0 or engine.runtime.cover_map().degraded != degraded):
                     log_iteration(engine, args.steps, t_last, args.log_interval)
                     t_last = time.monotonic()
-                    degraded = engine.runtime.plan_cover().degraded
+                    degraded = engine.runtime.cover_map().degraded
         return engine
 
     # exits 3 (gave up), 4 (left the job: mecefo-launch restarts it), 2 (bad input)

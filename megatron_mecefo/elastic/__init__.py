@@ -1,6 +1,6 @@
 """MeCeFO's fault-tolerance runtime: knows ranks, groups and micro-batches, not layers.
 
-* topology.py   pure: rank grid, ring neighbour, cover plan
+* topology.py   pure: rank grid, ring neighbour, cover map
 * fold.py       pure: micro-batches per replica, gradient divisors, sample ranges
 * membership.py heartbeats, agreement on members, the per-step commit decision (store-backed)
 * groups.py     data-parallel process groups per generation
@@ -17,7 +17,7 @@ import importlib
 # Lazy (PEP 562), so that importing one module of the package (config.py imports inject.py) does
 # not import the runtime, which imports config.
 _EXPORTS = {
-    "CoverPlan": "topology", "Grid": "topology", "plan_cover": "topology",
+    "CoverMap": "topology", "Grid": "topology", "ring_cover": "topology",
     "Fold": "fold", "MicroBatch": "fold", "fold_neighbor": "fold", "sample_range": "fold",
     "FaultInjector": "inject", "reference_gradient": "reference",
     "ElasticRuntime": "runtime", "StepPlan": "runtime",

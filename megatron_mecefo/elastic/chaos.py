@@ -33,7 +33,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
-from megatron_mecefo.elastic.topology import Grid, plan_cover
+from megatron_mecefo.elastic.topology import Grid, ring_cover
 from megatron_mecefo.log import read_jsonl
 from megatron_mecefo.errors import NoCoverAvailable
 
@@ -232,7 +232,7 @@ def check_run(result: RunResult, log_dir: Path, schedule: Schedule, *, k: int, b
     for e in roots:
         if e["kind"] == "NoCoverAvailable":
             try:
-                plan_cover(grid, e["members"])
+                ring_cover(grid, e["members"])
                 bad.append(f"gave up for no cover although survivors {e['members']} can be covered")
             except NoCoverAvailable:
                 pass

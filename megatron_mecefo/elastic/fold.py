@@ -3,7 +3,7 @@
 The global batch of a step is `dp * k` micro-batches, micro-batch j of original replica d holding
 samples `step * global + (d * k + j) * mb ... + mb`: a pure function of (step, d, j), so any rank
 can compute any other rank's data and every sample is consumed exactly once per step whatever
-fails. Under a cover plan each live replica runs its own k micro-batches plus the k of every
+fails. Under a cover map each live replica runs its own k micro-batches plus the k of every
 replica it adopts.
 
 Gradient weights (MECEFO.md, "Gradient averaging after a failure"): every rank SUMS its
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Dict, List, Tuple
 
-from megatron_mecefo.elastic.topology import CoverPlan
+from megatron_mecefo.elastic.topology import CoverMap
 
 __all__ = ["MicroBatch", "Fold", "FoldPolicy", "fold_neighbor", "sample_range", "APPROXIMATE_MODES"]
 
@@ -59,7 +59,7 @@ FoldPolicy = Callable[..., Fold]
 
 
 def fold_neighbor(
-    plan: CoverPlan,
+    plan: CoverMap,
     micro_batches_per_replica: int,
     *,
     approximate: str = "all",
@@ -68,7 +68,7 @@ def fold_neighbor(
     """MeCeFO's fold: each covering replica runs its own and its adopted micro-batches.
 
     Args:
-        plan: the generation's cover plan.
+        plan: the generation's cover map.
         micro_batches_per_replica: k, gradient-accumulation steps of one replica.
         approximate: which micro-batches of a covering replica run in covering mode: "all" (the
             paper), "adopted" (own stay exact) or "none" (everything exact: the fold alone).

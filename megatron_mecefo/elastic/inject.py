@@ -112,11 +112,11 @@ def failure_trace(world: int, total_steps: int, mtbf_steps: float, recovery_step
 
 
 def _absorbable(grid, events: Sequence[TraceEvent], step: int) -> bool:
-    from megatron_mecefo.elastic.topology import plan_cover
+    from megatron_mecefo.elastic.topology import ring_cover
     from megatron_mecefo.errors import NoCoverAvailable
 
     try:
-        plan_cover(grid, [r for r in range(grid.world) if r not in _down(events, step)])
+        ring_cover(grid, [r for r in range(grid.world) if r not in _down(events, step)])
         return True
     except NoCoverAvailable:
         return False
@@ -135,7 +135,7 @@ def check_trace(events: Sequence[TraceEvent], world: int, total_steps: int, max_
     """Reject a trace that cannot run as written, before training. Raises ValueError naming the event.
 
     Checks: ranks in range; a rank fails again only after its rejoin step; every failure is
-    absorbable under the ring cover plan (counting a restarted rank down until REJOIN_SLACK steps
+    absorbable under the ring cover map (counting a restarted rank down until REJOIN_SLACK steps
     after its rejoin step); a rank that must come back before the end is within `max_restarts`
     (None: not known, not checked; 0: the launcher restarts nobody).
     """

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from megatron_mecefo.errors import AgreementTimeout, JobAborted, JobFinished, JoinTimeout, NoCoverAvailable, NotAMember, \
     StateLost
 
-__all__ = ["Membership", "Decision", "GenerationPlan", "OrphanWatch"]
+__all__ = ["Membership", "Decision", "Agreement", "OrphanWatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class Decision:
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerationPlan:
+class Agreement:
     """The agreed composition of one generation."""
 
     members: tuple
@@ -210,7 +210,7 @@ class Membership:
 
     # -- agreement --------------------------------------------------------------------------------
 
-    def agree(self, generation: int, candidates: Sequence[int], step: Optional[int]) -> GenerationPlan:
+    def agree(self, generation: int, candidates: Sequence[int], step: Optional[int]) -> Agreement:
         """Agree with the other live candidates on the members of `generation`.
 
         Call on every survivor (and admitted joiner) with the same `candidates`. `step` is the step
@@ -220,7 +220,7 @@ class Membership:
         state never trains or votes.
 
         Returns:
-            The agreed GenerationPlan; its members contain this rank.
+            The agreed Agreement; its members contain this rank.
 
         Candidates that have not checked in by agree_timeout_s are left out (a late starter then
         rejoins like a restarted rank); the lowest live rank that checked in then publishes at once.
@@ -282,7 +282,7 @@ class Membership:
                 f"[gen {generation} rank {self.rank}] left out of generation {generation} (presumed failed; "
                 f"members {plan['members']}); this rank must stop"
             )
-        return GenerationPlan(tuple(plan["members"]), tuple(plan["joiners"]), int(plan["step"]))
+        return Agreement(tuple(plan["members"]), tuple(plan["joiners"]), int(plan["step"]))
 
     def members_of(self, generation: int) -> List[int]:
         """The agreed members of an earlier generation."""

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
-import json
 import logging
 import os
 import time
@@ -42,14 +40,16 @@ from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.elastic import groups
 from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.elastic.fold import Fold, FoldPolicy, fold_neighbor
+from megatron_mecefo.elastic.give_up import write_checkpoint
+from megatron_mecefo.elastic.gradients import reduce_with_divisors
 from megatron_mecefo.elastic.inject import FaultInjector, check_rules, job_trace
-from megatron_mecefo.elastic.membership import GenerationPlan, Membership, OrphanWatch
+from megatron_mecefo.elastic.membership import Agreement, Membership, OrphanWatch
 from megatron_mecefo.elastic.replica import mark_started
-from megatron_mecefo.elastic.topology import CoverPlan, Grid, plan_cover
+from megatron_mecefo.elastic.topology import CoverMap, Grid, ring_cover
+from megatron_mecefo.elastic.transfer import broadcast_state, decode_state
 from megatron_mecefo.errors import (RETIRED_EXIT_CODE, GaveUp, IncompleteStep, JobAborted, JobFinished, MeCeFOError,
                                     NoCoverAvailable, NotAMember, ReplicaLost)
 from megatron_mecefo.log import EventLog, RankPrefix
-from megatron_mecefo.params import GradGroup, grad_group
 
 __all__ = ["ElasticRuntime", "StepPlan"]
 
@@ -63,7 +63,7 @@ class StepPlan:
     step: int
     generation: int
     members: tuple
-    cover: CoverPlan
+    cover: CoverMap
     micro_batches: tuple
     """This rank's MicroBatch list: own first, then adopted ones."""
     divisor: int
@@ -167,7 +167,7 @@ class ElasticRuntime:
         self._error_wall: Optional[float] = None  # wall clock of the first error, for the event log
         self._detected_wall: Optional[float] = None
         self._pending: Optional[tuple] = None  # (generation, candidates) to regroup into
-        self._cover: Optional[CoverPlan] = None
+        self._cover: Optional[CoverMap] = None
         self._fold: Optional[Fold] = None
         self._get_state, self._set_state = state if state is not None else (None, None)
         self._save = save_checkpoint
@@ -324,8 +324,8 @@ class ElasticRuntime:
             divisor=self._fold.divisor, divisor_mha=self._fold.divisor_mha,
         )
 
-    def plan_cover(self) -> CoverPlan:
-        """The current generation's cover plan."""
+    def cover_map(self) -> CoverMap:
+        """The current generation's cover map."""
         return self._cover
 
     @contextlib.contextmanager
@@ -364,32 +364,13 @@ class ElasticRuntime:
         if self._error is not None:
             return [0.0] * len(stats)
         self.injector.maybe_fire(self.step, "allreduce")
-        grads = [getattr(p, attr, None) for p in params]
-        grads = [g if g is not None else torch.zeros_like(p) for p, g in zip(params, grads)]
-        device = grads[0].device if grads else torch.device("cpu")
         extra = list(stats) + ([float(micro_batches)] if micro_batches is not None else [])
-        flat = torch.cat([g.detach().reshape(-1).float() for g in grads]
-                         + [torch.tensor(extra, dtype=torch.float32, device=device)])
         try:
-            groups.allreduce_sum_(self.group, flat, should_abort=self._step_aborted)
+            out = reduce_with_divisors(self.group, params, extra, divisor=self._fold.divisor,
+                                       divisor_mha=self._fold.divisor_mha, attr=attr, should_abort=self._step_aborted)
         except Exception as e:  # gloo: connection closed / timed out; or a peer gave up first
             self.report_error(e)
             return [0.0] * len(stats)
-        offset = 0
-        mha_div = self._fold.divisor_mha
-        for p, g in zip(params, grads):
-            n = g.numel()
-            if grad_group(p) is GradGroup.MHA:
-                scale = 1.0 / mha_div if mha_div else 0.0
-            else:
-                scale = 1.0 / self._fold.divisor
-            reduced = flat[offset:offset + n] * scale
-            if attr == "grad":
-                p.grad = reduced.view_as(p).to(p.dtype)
-            else:
-                g.copy_(reduced.view_as(g))
-            offset += n
-        out = flat[offset:].cpu().tolist()
         if micro_batches is not None:
             self._ran = int(round(out.pop()))
         return out
@@ -460,52 +441,52 @@ class ElasticRuntime:
         """
         t0 = t_start or time.monotonic()
         while True:
-            plan = self.membership.agree(generation, candidates, self.step if self._has_state else None)
+            agreed = self.membership.agree(generation, candidates, self.step if self._has_state else None)
             if generation > 0:
-                self.injector.maybe_fire(plan.step, "recovery")
+                self.injector.maybe_fire(agreed.step, "recovery")
             t_agreed = time.monotonic()
             try:
-                cover = plan_cover(self.grid, plan.members)
+                cover = ring_cover(self.grid, agreed.members)
             except NoCoverAvailable as e:
                 err = NoCoverAvailable(
-                    f"[gen {generation} rank {self.rank} step {plan.step}] {e}. Survivors: {list(plan.members)}. "
+                    f"[gen {generation} rank {self.rank} step {agreed.step}] {e}. Survivors: {list(agreed.members)}. "
                     "Restart the job from the checkpoint with the surviving nodes, or add nodes."
                 )
-                err.members = list(plan.members)
+                err.members = list(agreed.members)
                 raise err from None
             group, payload = None, None
-            peers = self._peers(plan.members)
+            peers = self._peers(agreed.members)
             try:
                 group = groups.build_dp_group(self.store, generation, peers, self.rank, self._timeout, self.backend,
                                               tag=self._tag())
-                if plan.joiners:
-                    payload = self._transfer_state(group, plan, peers)
-                if not self.membership.formed(generation, plan.members):
+                if agreed.joiners:
+                    payload = self._transfer_state(group, agreed, peers)
+                if not self.membership.formed(generation, agreed.members):
                     raise MeCeFOError("another member's group or state transfer failed")
             except (JobAborted, JobFinished):
                 groups.destroy_group(group)
                 raise
             except Exception as e:  # a member died after the agreement or during the transfer
                 groups.destroy_group(group)
-                self.membership.abort_step(generation, plan.step)
+                self.membership.abort_step(generation, agreed.step)
                 self.log.warning("generation %d could not form (%s); agreeing again", generation,
                                  str(e).splitlines()[0][:120])
-                self.events.write("regroup_failed", generation=generation, step=plan.step, members=list(plan.members),
-                                  joiners=list(plan.joiners), reason=str(e).splitlines()[0][:200])
-                generation, candidates = generation + 1, plan.members
+                self.events.write("regroup_failed", generation=generation, step=agreed.step, members=list(agreed.members),
+                                  joiners=list(agreed.joiners), reason=str(e).splitlines()[0][:200])
+                generation, candidates = generation + 1, agreed.members
                 continue
             break
         if payload is not None:
-            self._load_state(payload, plan.step)
-        self.group, self.generation, self.members, self._cover = group, generation, list(plan.members), cover
-        self.step = plan.step
+            self._load_state(payload, agreed.step)
+        self.group, self.generation, self.members, self._cover = group, generation, list(agreed.members), cover
+        self.step = agreed.step
         approximate = self.cfg.approximate if self._approximations_on() else "none"
         self._fold = self.fold_policy(cover, self.k, approximate=approximate, skip_attention=self.cfg.skip_attention)
         t_done = time.monotonic()
         now = time.time()
         self.events.write(
             "regroup", generation=generation, step=self.step, members=self.members,
-            cover={str(k): v for k, v in cover.cover.items()}, joiners=list(plan.joiners),
+            cover={str(k): v for k, v in cover.cover.items()}, joiners=list(agreed.joiners),
             detected_at=self._detected_wall if detected_at else None,
             agreed_at=now - (t_done - t_agreed), regrouped_at=now,
             detect_to_recover_s=(t0 - detected_at) if detected_at else None,
@@ -540,33 +521,20 @@ class ElasticRuntime:
         c = self.cfg
         return c.enable and (c.skip_attention or c.lowrank_ffn or c.recompute_ffn == "always")
 
-    def _transfer_state(self, group, plan: GenerationPlan, peers: Sequence[int]) -> Optional[bytes]:
+    def _transfer_state(self, group, agreed: Agreement, peers: Sequence[int]) -> Optional[bytes]:
         """The lowest state holder at this position broadcasts its training state (its shard) over
         the position's group; returns the bytes on joiners."""
-        donor = min(r for r in plan.holders if r in peers)
-        root = groups.dense_rank(peers, donor)
-        if self.rank == donor:
-            buf = io.BytesIO()
-            torch.save({"step": self.step, "user": self._get_state() if self._get_state else None}, buf)
-            payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        groups.broadcast_(group, size, root)
-        self.injector.maybe_fire(plan.step, "transfer")
-        if self.rank != donor:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        groups.broadcast_(group, payload, root)
-        return payload.numpy().tobytes() if self.rank in plan.joiners else None
+        donor = min(r for r in agreed.holders if r in peers)
+        payload = broadcast_state(group, peers, self.rank, donor, self._get_state or (lambda: None), step=self.step,
+                                  midway=lambda: self.injector.maybe_fire(agreed.step, "transfer"))
+        return payload if self.rank in agreed.joiners else None
 
     def _load_state(self, payload: bytes, step: int) -> None:
-        state = torch.load(io.BytesIO(payload), weights_only=True)  # tensors and plain containers only
-        if state["step"] != step:
-            raise MeCeFOError(f"[rank {self.rank}] received the state of step {state['step']}, expected {step}")
-        if state["user"] is not None:
+        user = decode_state(payload, step=step, rank=self.rank)
+        if user is not None:
             if self._set_state is None:
                 raise MeCeFOError("a rejoining rank needs ElasticRuntime(state=...) to load the training state")
-            self._set_state(state["user"])
+            self._set_state(user)
         self.step, self._has_state = step, True
 
     # -- giving up --------------------------------------------------------------------------------
@@ -585,21 +553,8 @@ class ElasticRuntime:
         reason = str(error).splitlines()[0]
         if not isinstance(error, JobAborted):
             self.log.error("giving up: %s", reason)
-        ckpt = None
-        try:
-            replica = str(self.grid.replica_of(self.rank))  # all of its ranks write their shards
-            survivors = getattr(error, "members", None)
-            whole = self.grid.tp * self.grid.pp == 1 or survivors is None or \
-                self.grid.replica_of(self.rank) in self.grid.live_replicas(survivors)
-            if not whole:  # a broken replica holds only some shards: no checkpoint from it
-                self.log.error("no checkpoint from this rank: its replica lost a rank")
-            elif self._has_state and self._save is not None and \
-                    self.store.compare_set("job/checkpoint_writer", "", replica).decode() == replica:
-                ckpt = self._save()
-                self.store.set("job/checkpoint", json.dumps({"path": ckpt, "step": self.step, "rank": self.rank}))
-                self.log.error("checkpoint of step %d written to %s", self.step, ckpt)
-        except Exception as e:  # the give-up must not hang or mask the reason
-            self.log.error("could not write the give-up checkpoint: %s", e)
+        ckpt = write_checkpoint(self.store, self.grid, self.rank, step=self.step, has_state=self._has_state,
+                                save=self._save, survivors=getattr(error, "members", None), log=self.log)
         error.checkpoint = ckpt
         try:
             self.membership.mark_failed(reason, generation=self.generation, step=self.step)

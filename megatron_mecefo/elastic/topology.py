@@ -1,4 +1,4 @@
-"""Pure planning of who covers whom: the rank grid and the cover plan for a set of live ranks.
+"""Pure planning of who covers whom: the rank grid and the cover map for a set of live ranks.
 
 A job of `world = tp * pp * dp` ranks holds `dp` model replicas. The failure domain is a replica
 slice: losing any rank of replica d retires replica d on every pipeline stage (its surviving
@@ -19,7 +19,7 @@ from typing import Dict, FrozenSet, Iterable, List, Tuple
 
 from megatron_mecefo.errors import NoCoverAvailable
 
-__all__ = ["Grid", "CoverPlan", "plan_cover"]
+__all__ = ["Grid", "CoverMap", "ring_cover"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Grid:
 
 
 @dataclasses.dataclass(frozen=True)
-class CoverPlan:
+class CoverMap:
     """Which replicas are live and which live replica adopts each failed one."""
 
     grid: Grid
@@ -105,12 +105,12 @@ class CoverPlan:
         return {"live": list(self.live), "cover": {str(k): v for k, v in sorted(self.cover.items())}}
 
     @classmethod
-    def from_json(cls, grid: Grid, data: dict) -> "CoverPlan":
+    def from_json(cls, grid: Grid, data: dict) -> "CoverMap":
         return cls(grid, tuple(data["live"]), {int(k): int(v) for k, v in data["cover"].items()})
 
 
-def plan_cover(grid: Grid, live_ranks: Iterable[int]) -> CoverPlan:
-    """The cover plan for the ranks in `live_ranks`.
+def ring_cover(grid: Grid, live_ranks: Iterable[int]) -> CoverMap:
+    """The cover map for the ranks in `live_ranks`.
 
     Each failed replica, in increasing order, is adopted by the next replica after it on the ring
     that is live and not covering yet. Deterministic: every rank computes the same plan.
@@ -135,4 +135,4 @@ def plan_cover(grid: Grid, live_ranks: Iterable[int]) -> CoverPlan:
                 f"and every live replica ({live or 'none'}) already covers one; MeCeFO absorbs at most "
                 f"one failed replica per live replica"
             )
-    return CoverPlan(grid, tuple(live), cover)
+    return CoverMap(grid, tuple(live), cover)

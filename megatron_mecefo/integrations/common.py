@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import io
 import os
 from typing import Any, Callable, List, Optional
 
@@ -60,7 +59,7 @@ class State:
     def lead(self) -> bool:
         """This rank's replica is the lowest live one: it saves and logs."""
         rt = self.driver.runtime
-        return rt.grid.replica_of(rt.rank) == min(rt.plan_cover().live)
+        return rt.grid.replica_of(rt.rank) == min(rt.cover_map().live)
 
     def close(self, finished: bool) -> None:
         if self.driver is not None:

@@ -158,7 +158,7 @@ class Record:
         while True:
             if self._mark() >= self.pending[-1][0]:
                 return  # the lead printed everything
-            live = [r for r in sorted(rt.plan_cover().live)
+            live = [r for r in sorted(rt.cover_map().live)
                     if set(rt.grid.ranks_of_replica(r)) <= set(rt.membership.alive(rt.grid.ranks_of_replica(r)))]
             if live and live[0] == mine:
                 self._emit(after=self._mark())

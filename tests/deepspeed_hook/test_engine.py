@@ -157,7 +157,7 @@ def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world):
     recomputed here in one process from the same weights and data: the covering rank's own and
     adopted micro-batches in covering mode, attention parameters averaged over the non-covering
     ranks' micro-batches only, every other parameter over the whole global batch."""
-    from megatron_mecefo.elastic import Grid, fold_neighbor, plan_cover, reference_gradient, sample_range
+    from megatron_mecefo.elastic import Grid, fold_neighbor, ring_cover, reference_gradient, sample_range
 
     step = 4  # rank 2 covers from step 2; with tau = 2 its basis is recomputed at step 4 from these weights
     run(tmp_path, "--mecefo-inject", "kill:1:2:backward", "--dump-step", str(step))
@@ -171,7 +171,7 @@ def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world):
         for name, p in model.named_parameters():
             p.copy_(dumps[0]["params"][name])
     cfg = MeCeFOConfig(enable=True, **train.MECEFO)
-    fold = fold_neighbor(plan_cover(Grid(dp=3), [0, 2]), 2)
+    fold = fold_neighbor(ring_cover(Grid(dp=3), [0, 2]), 2)
 
     def loss_of(m):
         tokens, pos, labels = train.batch(sample_range(step, m.replica, m.index, micro_batch_size=2, dp=3, k=2))

@@ -3,7 +3,7 @@ import itertools
 import pytest
 
 from megatron_mecefo.elastic.fold import MicroBatch, fold_neighbor, sample_range
-from megatron_mecefo.elastic.topology import Grid, plan_cover
+from megatron_mecefo.elastic.topology import Grid, ring_cover
 
 pytestmark = pytest.mark.unit
 
@@ -11,13 +11,13 @@ pytestmark = pytest.mark.unit
 @pytest.mark.parametrize("dp, live", [(4, [0, 1, 2, 3]), (4, [0, 1, 3]), (4, [0, 3]), (5, [1, 2, 4]), (3, [2, 0])])
 @pytest.mark.parametrize("k", [1, 3])
 def test_every_micro_batch_exactly_once(dp, live, k):
-    fold = fold_neighbor(plan_cover(Grid(dp=dp), live), k)
+    fold = fold_neighbor(ring_cover(Grid(dp=dp), live), k)
     assert fold.all_micro_batches() == sorted(itertools.product(range(dp), range(k)))
     assert fold.divisor == dp * k
 
 
 def test_covering_replica_runs_own_then_adopted_in_covering_mode():
-    fold = fold_neighbor(plan_cover(Grid(dp=4), [0, 1, 3]), 2)
+    fold = fold_neighbor(ring_cover(Grid(dp=4), [0, 1, 3]), 2)
     assert fold.micro_batches(3) == (
         MicroBatch(3, 0, True), MicroBatch(3, 1, True), MicroBatch(2, 0, True), MicroBatch(2, 1, True),
     )
@@ -27,7 +27,7 @@ def test_covering_replica_runs_own_then_adopted_in_covering_mode():
 
 
 def test_adopted_only_and_none_modes():
-    plan = plan_cover(Grid(dp=4), [0, 1, 3])
+    plan = ring_cover(Grid(dp=4), [0, 1, 3])
     adopted = fold_neighbor(plan, 2, approximate="adopted")
     assert [m.covering for m in adopted.micro_batches(3)] == [False, False, True, True]
     assert adopted.divisor_mha == 6
@@ -39,7 +39,7 @@ def test_adopted_only_and_none_modes():
 
 
 def test_fault_free_fold_is_plain_data_parallel():
-    fold = fold_neighbor(plan_cover(Grid(dp=3), range(3)), 2)
+    fold = fold_neighbor(ring_cover(Grid(dp=3), range(3)), 2)
     assert fold.divisor == fold.divisor_mha == 6
     assert all(len(m) == 2 and not any(x.covering for x in m) for m in fold.assignments.values())
 
@@ -55,7 +55,7 @@ def test_sample_ranges_tile_the_global_batch():
 
 
 def test_invalid_arguments():
-    plan = plan_cover(Grid(dp=2), [0, 1])
+    plan = ring_cover(Grid(dp=2), [0, 1])
     with pytest.raises(ValueError, match="approximate"):
         fold_neighbor(plan, 1, approximate="some")
     with pytest.raises(ValueError, match="micro_batches_per_replica"):

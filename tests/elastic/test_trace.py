@@ -4,7 +4,7 @@ import signal
 import pytest
 
 from megatron_mecefo.elastic.inject import FaultInjector, TraceEvent, failure_trace
-from megatron_mecefo.elastic.topology import Grid, plan_cover
+from megatron_mecefo.elastic.topology import Grid, ring_cover
 
 pytestmark = pytest.mark.unit
 
@@ -15,7 +15,7 @@ def test_trace_is_deterministic_and_always_coverable():
     assert a != failure_trace(4, 500, 10, 20, seed=8)
     for step in range(500):
         down = {e.rank for e in a if e.fail_step <= step < e.rejoin_step}
-        plan_cover(Grid(dp=4), [r for r in range(4) if r not in down])  # never NoCoverAvailable
+        ring_cover(Grid(dp=4), [r for r in range(4) if r not in down])  # never NoCoverAvailable
     # mean gap close to the requested MTBF (failures that cannot be absorbed are skipped)
     assert 8 <= 500 / len(a) <= 25
 

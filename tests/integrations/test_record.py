@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from megatron_mecefo.elastic.topology import CoverPlan, Grid
+from megatron_mecefo.elastic.topology import CoverMap, Grid
 from megatron_mecefo.integrations.record import Record
 
 pytestmark = pytest.mark.unit
@@ -36,7 +36,7 @@ def make(replica, lead, alive=(0, 1, 2)):
     store, writer = FakeStore(), FakeWriter()
     grid = Grid(dp=3)
     rt = types.SimpleNamespace(store=store, rank=replica, grid=grid,
-                               plan_cover=lambda: CoverPlan(grid=grid, live=(0, 1, 2), cover={}),
+                               cover_map=lambda: CoverMap(grid=grid, live=(0, 1, 2), cover={}),
                                membership=types.SimpleNamespace(alive=lambda ranks: [r for r in ranks if r in alive]))
     driver = types.SimpleNamespace(runtime=rt, driver=types.SimpleNamespace(committed=0))
     state = types.SimpleNamespace(active=True, driver=driver, lead=lambda: lead[0])
