@@ -25,10 +25,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from megatron_mecefo.elastic import chaos  # noqa: E402
-from tests.elastic import chaos_util  # noqa: E402
+from megatron_mecefo.elastic import chaos
+from megatron_mecefo.testing import chaos_runs as chaos_util
 
 
 def slowest_recovery(log_dir: Path, world: int) -> float:

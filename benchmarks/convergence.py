@@ -42,7 +42,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 # recovery / MTBF = nodes down on average: 4h/2h = 2, 3h/1h = 3, 2h/0.5h = 4 of the paper's 32
 FRACTION = {"low": 2 / 32, "medium": 3 / 32, "high": 4 / 32}
 MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",

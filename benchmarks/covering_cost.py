@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -40,7 +39,6 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 # megatron-core's import-time notices about optional CUDA extensions (apex, Transformer Engine)
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed", category=UserWarning)
 warnings.filterwarnings("ignore", category=DeprecationWarning)

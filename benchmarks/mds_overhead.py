@@ -19,30 +19,21 @@ import json
 import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from megatron_mecefo import patch  # noqa: E402
-from tests.integrations import mds  # noqa: E402
+from megatron_mecefo import patch
+from megatron_mecefo.testing import mds
 
 _ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
-def resize(base: list, a) -> list:
-    """The tests' tiny GPT flags with 4 layers and the benchmark's hidden size and sequence length."""
-    size = {"--num-layers": "4", "--hidden-size": str(a.hidden), "--ffn-hidden-size": str(4 * a.hidden),
-            "--seq-length": str(a.seq), "--max-position-embeddings": str(a.seq)}
-    return [size.get(prev, x) if prev in size else x for prev, x in zip([None] + base[:-1], base)]
-
-
 def model_args(data: Path, ds: Path, a) -> list:
-    return resize(mds.args(data, ds, dp=a.ranks, iters=a.iters, micro_batches=a.micro_batches, extra=[
-        "--log-interval", "10", "--eval-interval", str(a.iters), "--eval-iters", "2"]), a)
+    return mds.resize(mds.args(data, ds, dp=a.ranks, iters=a.iters, micro_batches=a.micro_batches, extra=[
+        "--log-interval", "10", "--eval-interval", str(a.iters), "--eval-iters", "2"]), layers=4, hidden=a.hidden, seq=a.seq)
 
 
 def measure(out: str) -> float:

@@ -24,25 +24,21 @@ import json
 import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from megatron_mecefo import patch  # noqa: E402
-from mds_overhead import resize  # noqa: E402
-from tests.integrations import mds, mlm  # noqa: E402
+from megatron_mecefo import patch
+from megatron_mecefo.testing import mds, mlm
 
 _ELAPSED = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
 def model_args(a) -> list:
-    return resize(mlm.args(dp=a.ranks, iters=a.iters, micro_batches=a.micro_batches, extra=[
-        "--log-interval", "10", "--eval-interval", str(a.iters), "--eval-iters", "2"]), a)
+    return mds.resize(mlm.args(dp=a.ranks, iters=a.iters, micro_batches=a.micro_batches, extra=[
+        "--log-interval", "10", "--eval-interval", str(a.iters), "--eval-iters", "2"]), layers=4, hidden=a.hidden, seq=a.seq)
 
 
 def measure(out: str, after: int = 10) -> float:

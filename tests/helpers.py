@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_mecefo.testing.launch import run_launcher  # noqa: F401  (the tests' runner)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96)
@@ -27,25 +29,6 @@ def gpt_loss(model, batch) -> torch.Tensor:
 
 def grads(model):
     return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
-
-
-def run_launcher(cmd, timeout, *, cwd=ROOT, env=None, merge_output=False):
-    """Run a launcher command in its own session; on timeout kill the whole process group.
-    `merge_output`: stderr goes into stdout, in order."""
-    import os
-    import signal
-    import subprocess
-
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT if merge_output else subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout} s:\n{out[-4000:]}\n{(err or '')[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def two_nodes_lose_one(tmp_path, script_args, *, victim_node: int, start_s: float = 120, finish_s: float = 150):

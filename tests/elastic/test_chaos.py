@@ -106,7 +106,7 @@ def test_checker_accepts_only_real_give_ups(tmp_path):
 
 # -- fixed compound schedules on the toy runtime job (real processes, SIGKILL / SIGSTOP) ------------
 
-from tests.elastic import chaos_util  # noqa: E402
+from megatron_mecefo.testing import chaos_runs as chaos_util  # noqa: E402
 
 def _hold(rank, step, incarnation=1):
     """The job waits at `step` for that restarted incarnation: keyed to the rejoin, not the clock."""

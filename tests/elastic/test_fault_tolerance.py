@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.elastic import toy_train
+from megatron_mecefo.testing import toy_train
 from tests.helpers import run_launcher, two_nodes_lose_one
+from megatron_mecefo.testing.chaos_runs import TOY_SCRIPT
 
 pytestmark = [pytest.mark.dist, pytest.mark.fault]
 
@@ -36,7 +37,7 @@ def launch(out: Path, world: int, *extra: str, restart_after=None, timeout=150):
            "--max-restarts", "10"]
     if restart_after is not None:
         cmd += ["--restart-failed-after", str(restart_after)]
-    cmd += [str(ROOT / "tests/elastic/toy_train.py"), "--out", str(out), "--steps", str(STEPS), "--k", str(K),
+    cmd += [str(TOY_SCRIPT), "--out", str(out), "--steps", str(STEPS), "--k", str(K),
             "--mb", str(MB), *EXACT, *FAST, *extra]
     t0 = time.monotonic()
     proc = run_launcher(cmd, timeout)
@@ -215,7 +216,7 @@ def test_two_launchers_over_loopback_survive_the_loss_of_node_0(tmp_path, refere
     Node 0's launcher is SIGKILLed mid-run: its ranks die with it (PR_SET_PDEATHSIG), the store
     lives on, and node 1's ranks cover both lost replicas and finish on the whole global batch."""
     store, survivor = two_nodes_lose_one(
-        tmp_path, [ROOT / "tests/elastic/toy_train.py", "--out", tmp_path, "--steps", STEPS, "--k", K, "--mb", MB,
+        tmp_path, [TOY_SCRIPT, "--out", tmp_path, "--steps", STEPS, "--k", K, "--mb", MB,
                    "--step-sleep", "0.3", *EXACT, *FAST], victim_node=0)
     records = check_run(tmp_path, 4, [2, 3], references[4], survivor)
     assert records[STEPS - 1][0]["cover"] == {"0": 2, "1": 3}

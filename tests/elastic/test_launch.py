@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic.chaos_util import EXACT
+from megatron_mecefo.testing.chaos_runs import EXACT
+from megatron_mecefo.testing.chaos_runs import TOY_SCRIPT
 
 pytestmark = [pytest.mark.dist, pytest.mark.fault]
 
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _start(tmp_path, *launcher_args):
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", "3", "--master-port", "0",
-           "--restart-failed-after", "0.2", *launcher_args, str(ROOT / "tests/elastic/toy_train.py"),
+           "--restart-failed-after", "0.2", *launcher_args, str(TOY_SCRIPT),
            "--out", str(tmp_path), "--steps", "1000", "--step-sleep", "0.05", *EXACT]
     err = open(tmp_path / "launcher.err", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)

@@ -15,6 +15,7 @@ import pytest
 from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.errors import JobConflict
 from tests.helpers import ROOT, run_launcher
+from megatron_mecefo.testing.chaos_runs import TOY_SCRIPT
 
 pytestmark = pytest.mark.dist
 
@@ -53,7 +54,7 @@ def test_a_rank_refuses_another_jobs_store_and_a_second_start():
 def test_mecefo_launch_refuses_a_taken_port(tmp_path):
     held = job_store.host_store("127.0.0.1", 0, "old-job")
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", "2", "--master-port",
-           str(held.port), str(ROOT / "tests/elastic/toy_train.py"), "--out", str(tmp_path)]
+           str(held.port), str(TOY_SCRIPT), "--out", str(tmp_path)]
     proc = run_launcher(cmd, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "held by the store of another MeCeFO job (id old-job" in proc.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integrations import mds, mlm
+from megatron_mecefo.testing import mds, mlm
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.integrations import mds
+from megatron_mecefo.testing import mds
 
 pytestmark = [pytest.mark.dist]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integrations import mds, mlm
+from megatron_mecefo.testing import mds, mlm
 
 pytestmark = [pytest.mark.dist]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_mecefo import patch
-from tests.integrations import mds
+from megatron_mecefo.testing import mds
 
 
 def _tree(root: Path) -> dict:

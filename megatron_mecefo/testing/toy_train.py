@@ -1,7 +1,7 @@
-"""A tiny data-parallel training job on ElasticRuntime, for the fault tests (not collected).
+"""A tiny data-parallel training job on the bare ElasticRuntime, for the fault tests and benchmarks.
 
-Run under mecefo-launch:  mecefo-launch --nproc-per-node 3 --master-port 0 tests/elastic/toy_train.py --out DIR ...
-Reference (one process, no runtime, the whole global batch each step):  python tests/elastic/toy_train.py --reference --world 3 --out DIR
+Run under mecefo-launch:  mecefo-launch --nproc-per-node 3 --master-port 0 megatron_mecefo/testing/toy_train.py --out DIR ...
+Reference (one process, no runtime, the whole global batch each step):  python megatron_mecefo/testing/toy_train.py --reference --world 3 --out DIR
 
 Each step every live rank runs its micro-batches (own + adopted), sums their gradients, lets the
 runtime all-reduce and scale them, and takes an Adam step when the step commits. At the end each
@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 

@@ -1,7 +1,7 @@
 """Running chaos schedules against the toy runtime job and examples/pretrain_gpt (tests + benchmark).
 
-Not collected by pytest. The toy job runs MeCeFO's runtime with the approximations off, so a run
-that finishes must also equal the fault-free reference (`tests/elastic/toy_train.py --reference`).
+The toy job runs MeCeFO's runtime with the approximations off, so a run
+that finishes must also equal the fault-free reference (`megatron_mecefo/testing/toy_train.py --reference`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import torch
 
 from megatron_mecefo.elastic import chaos
 
-ROOT = Path(__file__).resolve().parents[2]
+from megatron_mecefo.testing.launch import ROOT
+
+TOY_SCRIPT = Path(__file__).resolve().parent / "toy_train.py"
 
 # Short timeouts so that a schedule takes seconds; the invariants hold for any values.
 TOY_TIMEOUTS = dict(collective_timeout_s=3.0, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.2, agree_timeout_s=8.0)
@@ -27,7 +29,7 @@ def timeout_flags(t: dict) -> List[str]:
 
 
 def toy_reference(out: Path, world: int) -> dict:
-    from tests.elastic import toy_train
+    from megatron_mecefo.testing import toy_train
 
     out.mkdir(parents=True, exist_ok=True)
     toy_train.reference(argparse.Namespace(steps=TOY["steps"], k=TOY["k"], mb=TOY["mb"], world=world, out=out))
@@ -41,7 +43,7 @@ def toy_bound(schedule: chaos.Schedule) -> float:
 
 def run_toy(schedule: chaos.Schedule, out: Path, reference: Optional[dict], step_sleep: float = TOY["step_sleep"]) -> tuple:
     """Run one schedule on the toy job; returns (outcome, violations, result)."""
-    script = [str(ROOT / "tests/elastic/toy_train.py"), "--out", str(out), "--steps", str(schedule.steps),
+    script = [str(TOY_SCRIPT), "--out", str(out), "--steps", str(schedule.steps),
               "--k", str(TOY["k"]), "--mb", str(TOY["mb"]), "--step-sleep", str(step_sleep),
               *EXACT, *timeout_flags(TOY_TIMEOUTS)]
     bound = toy_bound(schedule) + 2 * step_sleep * TOY["k"] * schedule.steps

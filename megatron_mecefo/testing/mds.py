@@ -1,4 +1,4 @@
-"""Running an extracted, patched Megatron-DeepSpeed snapshot in the tests (CPU, gloo).
+"""Running an extracted, patched Megatron-DeepSpeed snapshot in the tests and benchmarks (CPU, gloo).
 
 The snapshot is ../shared/upstream/Megatron-DeepSpeed-*.tar.gz (or $MECEFO_UPSTREAM_DIR); tests
 skip, naming it, when it is absent. Its processes get on PYTHONPATH: a torchvision stand-in
@@ -10,6 +10,7 @@ scripts/test.sh), unless this environment already imports transformers.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -17,13 +18,12 @@ import socket
 import subprocess
 import sys
 import tarfile
+import unittest
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-import pytest
-
 from megatron_mecefo.log import read_jsonl
-from tests.helpers import ROOT, run_launcher
+from megatron_mecefo.testing.launch import ROOT, run_launcher
 
 STUBS = Path(__file__).resolve().parent / "stubs"
 SNAPSHOT_GLOB = "Megatron-DeepSpeed-*.tar.gz"
@@ -36,7 +36,7 @@ def upstream_dir() -> Path:
 def snapshot(pattern: str) -> Path:
     found = sorted(upstream_dir().glob(pattern))
     if not found:
-        pytest.skip(f"no upstream snapshot {pattern} in {upstream_dir()} (set MECEFO_UPSTREAM_DIR)")
+        raise unittest.SkipTest(f"no upstream snapshot {pattern} in {upstream_dir()} (set MECEFO_UPSTREAM_DIR)")
     return found[-1]
 
 
@@ -64,7 +64,7 @@ def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     except ImportError:
         deps = os.environ.get("MECEFO_MDS_DEPS")
         if not deps or not os.path.isdir(deps):
-            pytest.skip("Megatron-DeepSpeed needs the mds extra: run the tests with scripts/test.sh, or "
+            raise unittest.SkipTest("Megatron-DeepSpeed needs the mds extra: run the tests with scripts/test.sh, or "
                         "pip install -e .[mds]")
         paths.append(deps)
     e = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + [str(ROOT)]), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
@@ -113,6 +113,13 @@ def args(data: Path, ds_config: Path, *, dp: int, tp: int = 1, iters: int = 10, 
             "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
             "--deepspeed", "--deepspeed_config", str(ds_config), "--zero-stage", "0", "--distributed-backend", "gloo",
             *extra]
+
+
+def resize(base: List[str], *, layers: int, hidden: int, seq: int) -> List[str]:
+    """The tiny GPT flags of `args` at another size (benchmarks): layers, hidden size (FFN 4x), sequence."""
+    size = {"--num-layers": str(layers), "--hidden-size": str(hidden), "--ffn-hidden-size": str(4 * hidden),
+            "--seq-length": str(seq), "--max-position-embeddings": str(seq)}
+    return [size.get(prev, x) if prev in size else x for prev, x in zip([None] + base[:-1], base)]
 
 
 def torchrun(checkout: Path, nproc: int, script_args: List[str], timeout: float = 240, *,
@@ -167,12 +174,12 @@ def assert_same_run(orig, patched, mecefo, iters: int = 10, evals=(5, 10)) -> No
     got = losses(mecefo.stdout)
     assert sorted(got) == sorted(want)
     for it in want:
-        assert got[it] == pytest.approx(want[it], rel=1e-5), it
+        assert math.isclose(got[it], want[it], rel_tol=1e-5), (it, got[it], want[it])
     assert consumed(mecefo.stdout) == consumed(orig.stdout)
     v_want, v_got = val_losses(orig.stdout), val_losses(mecefo.stdout)
     assert sorted(v_got) == sorted(v_want) == list(evals)
     for it in v_want:
-        assert v_got[it] == pytest.approx(v_want[it], rel=1e-5)
+        assert math.isclose(v_got[it], v_want[it], rel_tol=1e-5), (it, v_got[it], v_want[it])
 
 
 def step_records(log_dir: Path):

@@ -9,14 +9,13 @@ CPU, and the "mlm" extra's packages plus triton, which upstream imports at modul
 from __future__ import annotations
 
 import os
+import unittest
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import pytest
-
-from tests.helpers import ROOT
-from tests.integrations import mds
-from tests.integrations.mds import extract  # noqa: F401  (used as mlm.extract)
+from megatron_mecefo.testing import mds
+from megatron_mecefo.testing.launch import ROOT
+from megatron_mecefo.testing.mds import extract  # noqa: F401  (used as mlm.extract)
 
 SNAPSHOT_GLOB = "Megatron-LM-*.tar.gz"
 FAKE_CUDA = Path(__file__).resolve().parent / "fake_cuda"
@@ -30,7 +29,7 @@ def original_script() -> str:
 def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     deps = os.environ.get("MECEFO_MLM_DEPS")
     if not deps or not os.path.isdir(deps):
-        pytest.skip("Megatron-LM needs the mlm extra and triton: run the tests with scripts/test.sh")
+        raise unittest.SkipTest("Megatron-LM needs the mlm extra and triton: run the tests with scripts/test.sh")
     # CUDA_DEVICE_MAX_CONNECTIONS: upstream asserts it with tensor parallelism (its launch scripts set it)
     e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(FAKE_CUDA), deps, str(ROOT)]), MECEFO_TEST_FAKE_CUDA="1",
              CUDA_DEVICE_MAX_CONNECTIONS="1",
