@@ -7,7 +7,7 @@ repeat so the machine's noise hits all alike: the unpatched script under torchru
 all-reduce), the patched one with --mecefo under mecefo-launch (the runtime's all-reduce of the
 gradient buffers, the commit vote, the heartbeat thread), and the same with rank 1 SIGKILLed at
 step 10 (rank 0 covers its micro-batches with the MeCeFO backward to the end). Upstream's training
-loop needs CUDA: the runs go through the tests' CPU shim (tests/integrations/fake_cuda), so the
+loop needs CUDA: the runs go through the tests' CPU shim (megatron_mecefo/testing/fake_cuda), so the
 times are CPU times of upstream's code path, not GPU figures. Reads upstream's log lines: the time
 per iteration (median over the logged intervals, the first left out as warm-up; for the killed
 run, the intervals after the kill) and the final validation loss.

@@ -1,6 +1,6 @@
 """Real fault tests: ranks of a data-parallel job are SIGKILLed or SIGSTOPped at exact points.
 
-Each test launches tests/elastic/toy_train.py under mecefo-launch (separate processes, gloo, a store
+Each test launches megatron_mecefo/testing/toy_train.py under mecefo-launch (separate processes, gloo, a store
 hosted by the launcher) and checks, from the files the ranks write:
 * the job finishes (no hang) and the launcher exits 0 (or 3 when the failure cannot be absorbed);
 * survivors end bit-identical (parameters and Adam state);
