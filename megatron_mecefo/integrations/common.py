@@ -15,7 +15,7 @@ import torch
 
 from megatron_mecefo.integrations.record import Record
 
-__all__ = ["UsageError", "usage_errors", "State", "add_args", "install_hooks", "wrap_pretrain", "micro_batch", "run_job",
+__all__ = ["UsageError", "usage_errors", "State", "refuse", "shared_refusals", "add_args", "install_hooks", "wrap_pretrain", "micro_batch", "run_job",
            "lead_only_save", "keep_training_set", "data_prefixes", "one_replica_at_a_time",
            "arg_counters"]
 
@@ -66,6 +66,30 @@ class State:
             if finished and self.record is not None:  # a lead that died at the end: print what it had not
                 self.record.finish(timeout_s=self.cfg.heartbeat_timeout_s + 1.0)
             self.driver.runtime.close(finished=finished)
+
+
+def refuse(checks) -> None:
+    """Raise ValueError with the first message whose condition holds: `checks` are (bad, message)."""
+    for bad, message in checks:
+        if bad:
+            raise ValueError(message)
+
+
+def shared_refusals(args) -> list:
+    """What MeCeFO refuses in both Megatron codebases, by their common flags."""
+    return [
+        (args.virtual_pipeline_model_parallel_size is not None, "--mecefo does not support a virtual pipeline"),
+        (args.pipeline_model_parallel_size != 1, "--mecefo supports --pipeline-model-parallel-size 1 only"),
+        (getattr(args, "use_distributed_optimizer", False),
+         "--mecefo does not support --use-distributed-optimizer (it shards optimizer state over data-parallel "
+         "ranks, so a failed rank would take its shard with it)"),
+        (args.dataloader_type != "single",
+         f"--mecefo needs --dataloader-type single (got {args.dataloader_type}): a failed rank's micro-batches are "
+         "drawn from the sampler's order"),
+        (args.rampup_batch_size is not None, "--mecefo does not support --rampup-batch-size"),
+        (bool(getattr(args, "exit_duration_in_mins", None)),
+         "--mecefo does not support --exit-duration-in-mins (replicas could stop at different iterations)"),
+    ]
 
 
 def add_args(parser):

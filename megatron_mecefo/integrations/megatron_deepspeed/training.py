@@ -33,7 +33,7 @@ import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.integrations.common import (State, UsageError, arg_counters, data_prefixes, keep_training_set,
-                                                  lead_only_save, micro_batch, usage_errors)
+                                                  lead_only_save, micro_batch, refuse, shared_refusals, usage_errors)
 
 __all__ = ["UsageError", "State", "STATE", "check_args", "wrap_initialize_distributed", "wrap_setup_model_and_optimizer",
            "wrap_train_step", "wrap_datasets", "wrap_save_checkpoint", "wrap_evaluate", "make_tb_writer"]
@@ -59,22 +59,14 @@ def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, world: int) -
     from megatron_mecefo.deepspeed_hook.engine import check_ds_config
     from megatron_mecefo.elastic.inject import check_rules
 
-    refused = [
+    refuse([
         (not args.deepspeed, "--mecefo needs --deepspeed (Megatron's own optimizer and DDP are not supported)"),
         (not args.no_pipeline_parallel,
          "--mecefo needs --no-pipeline-parallel: DeepSpeed's pipeline engine (GPTModelPipe) is not supported "
          "(its grid spans the data-parallel ranks and cannot be rebuilt around a failed rank)"),
-        (args.pipeline_model_parallel_size != 1, "--mecefo supports --pipeline-model-parallel-size 1 only"),
-        (args.virtual_pipeline_model_parallel_size is not None, "--mecefo does not support a virtual pipeline"),
         (getattr(args, "ds_sequence_parallel_size", 1) > 1,
          "--mecefo does not support DeepSpeed sequence parallelism (--ds-sequence-parallel-size)"),
         (getattr(args, "zero_stage", 0) == 3, "--mecefo does not support --zero-stage 3"),
-        (getattr(args, "use_distributed_optimizer", False),
-         "--mecefo does not support --use-distributed-optimizer (it shards optimizer state over data-parallel ranks)"),
-        (args.dataloader_type != "single",
-         f"--mecefo needs --dataloader-type single (got {args.dataloader_type}): a failed rank's micro-batches are "
-         "drawn from the sampler's order"),
-        (args.rampup_batch_size is not None, "--mecefo does not support --rampup-batch-size"),
         (max(getattr(args, "num_experts", None) or [1]) > 1, "--mecefo does not support MoE (--num-experts > 1)"),
         (bool(getattr(args, "mos", False) or getattr(args, "kd", False)),
          "--mecefo does not support knowledge distillation (--mos / --kd)"),
@@ -82,13 +74,8 @@ def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, world: int) -
               getattr(args, "data_efficiency_curriculum_learning", False) or getattr(args, "random_ltd", False)),
          "--mecefo does not support curriculum learning or random-LTD"),
         ("compression_training" in ds_config, '--mecefo does not support ds_config "compression_training"'),
-        (bool(getattr(args, "exit_duration_in_mins", None)),
-         "--mecefo does not support --exit-duration-in-mins (replicas could stop at different iterations)"),
         (getattr(args, "transformer_impl", "local") != "local", "--mecefo supports --transformer-impl local only"),
-    ]
-    for bad, message in refused:
-        if bad:
-            raise ValueError(message)
+    ] + shared_refusals(args))
     check_ds_config(ds_config, cfg)
     check_rules(cfg.inject, world)
 

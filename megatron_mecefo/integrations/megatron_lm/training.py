@@ -34,7 +34,7 @@ import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.integrations.common import (State, UsageError, arg_counters, data_prefixes, keep_training_set,
-                                                  lead_only_save, micro_batch, usage_errors)
+                                                  lead_only_save, micro_batch, refuse, shared_refusals, usage_errors)
 
 __all__ = ["UsageError", "State", "STATE", "SPEC", "check_args", "wrap_initialize_distributed",
            "wrap_setup_model_and_optimizer", "wrap_train_step", "wrap_datasets", "wrap_save_checkpoint",
@@ -52,15 +52,10 @@ def check_args(args, cfg: MeCeFOConfig, world: int) -> None:
     from megatron_mecefo.elastic.inject import check_rules
 
     spec = list(args.spec) if args.spec else None
-    refused = [
-        (args.pipeline_model_parallel_size != 1, "--mecefo supports --pipeline-model-parallel-size 1 only"),
-        (args.virtual_pipeline_model_parallel_size is not None, "--mecefo does not support a virtual pipeline"),
+    refuse(shared_refusals(args) + [
         (args.context_parallel_size != 1, "--mecefo does not support context parallelism (--context-parallel-size)"),
         (args.expert_model_parallel_size != 1 or bool(args.num_experts),
          "--mecefo does not support MoE (--num-experts / --expert-model-parallel-size)"),
-        (args.use_distributed_optimizer,
-         "--mecefo does not support --use-distributed-optimizer (it shards optimizer state over data-parallel "
-         "ranks, so a failed rank would take its shard with it)"),
         (bool(getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False)),
          "--mecefo does not support FSDP (--use-torch-fsdp2 / --use-megatron-fsdp)"),
         (args.overlap_grad_reduce or args.overlap_param_gather,
@@ -68,10 +63,6 @@ def check_args(args, cfg: MeCeFOConfig, world: int) -> None:
          "across replicas after the step's micro-batches)"),
         (args.fp16, "--mecefo does not support --fp16 yet (a dynamic loss scale skips steps): use --bf16 or fp32"),
         (args.calculate_per_token_loss, "--mecefo does not support --calculate-per-token-loss"),
-        (args.dataloader_type != "single",
-         f"--mecefo needs --dataloader-type single (got {args.dataloader_type}): a failed rank's micro-batches are "
-         "drawn from the sampler's order"),
-        (args.rampup_batch_size is not None, "--mecefo does not support --rampup-batch-size"),
         (bool(getattr(args, "decrease_batch_size_if_needed", False)), "--mecefo does not support --decrease-batch-size-if-needed"),
         (args.data_parallel_random_init,
          "--mecefo does not support --data-parallel-random-init (replicas must start identical)"),
@@ -82,16 +73,11 @@ def check_args(args, cfg: MeCeFOConfig, world: int) -> None:
          f"--mecefo uses its own layer spec ({' '.join(SPEC)}); drop --spec {' '.join(spec or [])}"),
         (bool(getattr(args, "inprocess_restart", False)),
          "--mecefo replaces --inprocess-restart (two fault-tolerance mechanisms would fight): drop one"),
-        (bool(getattr(args, "exit_duration_in_mins", None)),
-         "--mecefo does not support --exit-duration-in-mins (replicas could stop at different iterations)"),
         (args.cuda_graph_impl != "none", "--mecefo does not support CUDA graphs (--cuda-graph-impl)"),
         (bool(getattr(args, "multi_latent_attention", False)), "--mecefo does not support multi-latent attention"),
         (bool(getattr(args, "mtp_num_layers", None)), "--mecefo does not support multi-token prediction"),
         (bool(getattr(args, "perform_rl_step", False)), "--mecefo does not support RL training"),
-    ]
-    for bad, message in refused:
-        if bad:
-            raise ValueError(message)
+    ])
     check_rules(cfg.inject, world)
 
 
