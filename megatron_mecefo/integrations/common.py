@@ -15,7 +15,7 @@ import torch
 
 from megatron_mecefo.integrations.record import Record
 
-__all__ = ["UsageError", "usage_errors", "State", "refuse", "shared_refusals", "add_args", "install_hooks", "wrap_pretrain", "micro_batch", "run_job",
+__all__ = ["UsageError", "usage_errors", "State", "refuse", "shared_refusals", "tensorboard_writer", "add_args", "install_hooks", "wrap_pretrain", "micro_batch", "run_job",
            "lead_only_save", "keep_training_set", "data_prefixes", "one_replica_at_a_time",
            "arg_counters"]
 
@@ -196,6 +196,17 @@ def keep_training_set(original: Callable, state: State, cache_dir: Callable[[], 
         return train_ds, valid_ds, test_ds
 
     return build_train_valid_test_datasets
+
+
+def tensorboard_writer(args):
+    """A TensorBoard writer as upstream makes one (None without --tensorboard-dir): upstream makes it
+    on the job's last rank only; the record (record.py) makes one on each replica's logging rank so
+    that TensorBoard moves with the lead."""
+    if not getattr(args, "tensorboard_dir", None):
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=args.tensorboard_dir, max_queue=getattr(args, "tensorboard_queue_size", 1000))
 
 
 def data_prefixes(args) -> List[str]:
