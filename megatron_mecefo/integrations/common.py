@@ -100,9 +100,11 @@ def add_args(parser):
     return parser
 
 
-def install_hooks(initialize, training, hooks, *, helpers_dir: Callable[[], str], wrap_evaluate: Callable) -> None:
+def install_hooks(initialize, training, hooks, *, helpers_dir: Callable[[], str], wrap_evaluate: Callable,
+                  get_args: Callable) -> None:
     """Put an adapter's hooks (`hooks`: its training.py) into upstream's `initialize` and `training`
-    modules, once: both codebases call these module globals by name."""
+    modules, once: both codebases call these module globals by name. Checkpoints: one replica (the
+    lowest live) writes; logs: the record (record.py)."""
     if getattr(training, "_mecefo_installed", False):
         return
     initialize._initialize_distributed = hooks.wrap_initialize_distributed(initialize._initialize_distributed)
@@ -112,8 +114,8 @@ def install_hooks(initialize, training, hooks, *, helpers_dir: Callable[[], str]
     training.build_train_valid_test_datasets = hooks.wrap_datasets(training.build_train_valid_test_datasets)
     training.train_step = hooks.wrap_train_step(training.train_step)
     training.evaluate = wrap_evaluate(training.evaluate)
-    training.save_checkpoint = hooks.wrap_save_checkpoint(training.save_checkpoint)
-    record = hooks.STATE.record = Record(hooks.STATE, training, make_tb_writer=hooks.make_tb_writer)
+    training.save_checkpoint = lead_only_save(training.save_checkpoint, hooks.STATE)
+    record = hooks.STATE.record = Record(hooks.STATE, training, make_tb_writer=lambda: tensorboard_writer(get_args()))
     training.training_log = record.wrap(training.training_log)
     training.evaluate_and_print_results = record.wrap(training.evaluate_and_print_results)
     training._mecefo_installed = True

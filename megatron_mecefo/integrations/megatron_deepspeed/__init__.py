@@ -45,5 +45,6 @@ def install(pretrain: Callable) -> Callable:
 
     from megatron_mecefo.integrations.megatron_deepspeed import training as hooks
 
-    install_hooks(initialize, training, hooks, helpers_dir=_helpers_dir, wrap_evaluate=lambda evaluate: hooks.wrap_evaluate(evaluate, training))
+    install_hooks(initialize, training, hooks, helpers_dir=_helpers_dir, wrap_evaluate=lambda evaluate: hooks.wrap_evaluate(evaluate, training),
+                  get_args=training.get_args)
     return wrap_pretrain(pretrain, hooks.STATE)

@@ -33,11 +33,10 @@ import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.integrations.common import (State, UsageError, arg_counters, data_prefixes, keep_training_set,
-                                                  lead_only_save, micro_batch, refuse, shared_refusals, tensorboard_writer,
-                                                  usage_errors)
+                                                  micro_batch, refuse, shared_refusals, usage_errors)
 
 __all__ = ["UsageError", "State", "STATE", "check_args", "wrap_initialize_distributed", "wrap_setup_model_and_optimizer",
-           "wrap_train_step", "wrap_datasets", "wrap_save_checkpoint", "wrap_evaluate", "make_tb_writer"]
+           "wrap_train_step", "wrap_datasets", "wrap_evaluate"]
 
 
 STATE = State()
@@ -250,15 +249,3 @@ def wrap_evaluate(original: Callable, training_module) -> Callable:
             training_module.get_num_microbatches = per_replica
 
     return evaluate
-
-
-def wrap_save_checkpoint(original: Callable) -> Callable:
-    """`megatron.training.save_checkpoint`: one replica (the lowest live) writes (common.lead_only_save)."""
-    return lead_only_save(original, STATE)
-
-
-def make_tb_writer():
-    """Upstream's TensorBoard writer settings, for the replicas' logging ranks (common.tensorboard_writer)."""
-    from megatron import get_args
-
-    return tensorboard_writer(get_args())

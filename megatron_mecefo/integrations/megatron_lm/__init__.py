@@ -46,5 +46,6 @@ def install(pretrain: Callable) -> Callable:
 
     from megatron_mecefo.integrations.megatron_lm import training as hooks
 
-    install_hooks(initialize, training, hooks, helpers_dir=_helpers_dir, wrap_evaluate=hooks.wrap_evaluate)
+    install_hooks(initialize, training, hooks, helpers_dir=_helpers_dir, wrap_evaluate=hooks.wrap_evaluate,
+                  get_args=training.get_args)
     return wrap_pretrain(pretrain, hooks.STATE)

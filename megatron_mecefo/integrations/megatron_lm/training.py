@@ -34,12 +34,11 @@ import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.integrations.common import (State, UsageError, arg_counters, data_prefixes, keep_training_set,
-                                                  lead_only_save, micro_batch, refuse, shared_refusals, tensorboard_writer,
-                                                  usage_errors)
+                                                  micro_batch, refuse, shared_refusals, usage_errors)
 
 __all__ = ["UsageError", "State", "STATE", "SPEC", "check_args", "wrap_initialize_distributed",
-           "wrap_setup_model_and_optimizer", "wrap_train_step", "wrap_datasets", "wrap_save_checkpoint",
-           "wrap_evaluate", "make_tb_writer"]
+           "wrap_setup_model_and_optimizer", "wrap_train_step", "wrap_datasets",
+           "wrap_evaluate"]
 
 SPEC = ["megatron_mecefo.layers.specs", "mecefo_gpt_layer_spec"]
 """`--spec` of MeCeFO's GPT layer (Megatron-Core's local layer with the covering backward)."""
@@ -242,15 +241,3 @@ def wrap_evaluate(original: Callable) -> Callable:
             args.data_parallel_size = dp
 
     return evaluate
-
-
-def wrap_save_checkpoint(original: Callable) -> Callable:
-    """`megatron.training.training.save_checkpoint`: one replica (the lowest live) writes."""
-    return lead_only_save(original, STATE)
-
-
-def make_tb_writer():
-    """Upstream's TensorBoard writer settings, for the replicas' logging ranks (common.tensorboard_writer)."""
-    from megatron.training import get_args
-
-    return tensorboard_writer(get_args())
