@@ -15,7 +15,7 @@ import torch
 
 from megatron_mecefo.integrations.record import Record
 
-__all__ = ["UsageError", "usage_errors", "State", "refuse", "shared_refusals", "tensorboard_writer", "add_args", "install_hooks", "wrap_pretrain", "micro_batch", "run_job",
+__all__ = ["UsageError", "usage_errors", "State", "refuse", "shared_refusals", "init_replica", "tensorboard_writer", "add_args", "install_hooks", "wrap_pretrain", "micro_batch", "run_job",
            "lead_only_save", "keep_training_set", "data_prefixes", "one_replica_at_a_time",
            "arg_counters"]
 
@@ -90,6 +90,17 @@ def shared_refusals(args) -> list:
         (bool(getattr(args, "exit_duration_in_mins", None)),
          "--mecefo does not support --exit-duration-in-mins (replicas could stop at different iterations)"),
     ]
+
+
+def init_replica(state: State, cfg, *, backend: str, tensor_parallel: int, data_parallel: int) -> None:
+    """torch.distributed over this rank's replica (its tensor-parallel ranks) on the job's store,
+    before upstream's own init, which then builds its groups over the replica."""
+    from megatron_mecefo.elastic.bootstrap import init_distributed
+
+    state.job = init_distributed(backend, tensor_parallel, 1, timeout_s=cfg.collective_timeout_s,
+                                 join_timeout_s=cfg.join_timeout_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                                 log_dir=cfg.log_dir)
+    state.cfg, state.dp = cfg, data_parallel
 
 
 def add_args(parser):

@@ -33,7 +33,8 @@ import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.integrations.common import (State, UsageError, arg_counters, data_prefixes, keep_training_set,
-                                                  micro_batch, refuse, shared_refusals, usage_errors)
+                                                  init_replica, micro_batch, refuse, shared_refusals,
+                                                  usage_errors)
 
 __all__ = ["UsageError", "State", "STATE", "check_args", "wrap_initialize_distributed", "wrap_setup_model_and_optimizer",
            "wrap_train_step", "wrap_datasets", "wrap_evaluate"]
@@ -97,14 +98,11 @@ def wrap_initialize_distributed(original: Callable) -> Callable:
                 return original(*a, **kw)
             job = LaunchEnv.read()
             check_args(args, ds_config, cfg, job.world)
-        from megatron_mecefo.deepspeed_hook.engine import init_distributed, skip_cpu_shm_build
+        from megatron_mecefo.deepspeed_hook.engine import skip_cpu_shm_build
 
         skip_cpu_shm_build()
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        STATE.job = init_distributed(backend, args.tensor_model_parallel_size, 1,
-                                     timeout_s=cfg.collective_timeout_s, join_timeout_s=cfg.join_timeout_s,
-                                     heartbeat_timeout_s=cfg.heartbeat_timeout_s, log_dir=cfg.log_dir)
-        STATE.cfg, STATE.dp = cfg, args.data_parallel_size
+        init_replica(STATE, cfg, backend="nccl" if torch.cuda.is_available() else "gloo",
+                     tensor_parallel=args.tensor_model_parallel_size, data_parallel=args.data_parallel_size)
         out = original(*a, **kw)
         from megatron.core import mpu
 

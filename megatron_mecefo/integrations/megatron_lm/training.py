@@ -34,7 +34,8 @@ import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.integrations.common import (State, UsageError, arg_counters, data_prefixes, keep_training_set,
-                                                  micro_batch, refuse, shared_refusals, usage_errors)
+                                                  init_replica, micro_batch, refuse, shared_refusals,
+                                                  usage_errors)
 
 __all__ = ["UsageError", "State", "STATE", "SPEC", "check_args", "wrap_initialize_distributed",
            "wrap_setup_model_and_optimizer", "wrap_train_step", "wrap_datasets",
@@ -97,17 +98,13 @@ def wrap_initialize_distributed(original: Callable) -> Callable:
                 return original(*a, **kw)
             job = LaunchEnv.read()
             check_args(args, cfg, job.world)
-        from megatron_mecefo.elastic.bootstrap import init_distributed
-
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             torch.cuda.set_device(args.local_rank)  # upstream sets it only when it initialises itself
         # the replica's tensor-parallel groups carry training collectives: a hung mate is noticed
         # after collective_timeout_s, not Megatron's default 10 minutes
         args.distributed_timeout_minutes = cfg.collective_timeout_s / 60
-        STATE.job = init_distributed(args.distributed_backend, args.tensor_model_parallel_size, 1,
-                                     timeout_s=cfg.collective_timeout_s, join_timeout_s=cfg.join_timeout_s,
-                                     heartbeat_timeout_s=cfg.heartbeat_timeout_s, log_dir=cfg.log_dir)
-        STATE.cfg, STATE.dp = cfg, args.data_parallel_size
+        init_replica(STATE, cfg, backend=args.distributed_backend, tensor_parallel=args.tensor_model_parallel_size,
+                     data_parallel=args.data_parallel_size)
         args.spec = list(SPEC)
         out = original(*a, **kw)
         from megatron.core import mpu
