@@ -1,15 +1,17 @@
 """The run's record survives the lead: every committed iteration's log line and every evaluation
-is printed once, by whichever replica leads when it is due, and TensorBoard / W&B writes follow.
+is printed once, by whichever replica leads when it is due, and TensorBoard writes follow.
 
 Upstream's log functions (`training_log`, `evaluate_and_print_results`) run on every replica (each
 computes the job's loss). Every replica captures what a call prints and writes to its TensorBoard
-/ W&B writer; the lead (the lowest live replica) emits it at once and records in the job's store
+writer (each replica's logging rank has one, see `make_tb_writer`); the lead (the lowest live replica) emits it at once and records in the job's store
 the last entry it emitted; the others keep their last entries. A replica that becomes the lead
 (the old one died after a step was committed and before it printed) first emits what it holds
 beyond the store's mark, and so does, when training ends, the lowest replica still alive if the
 lead died at the end. Entries are keyed by (committed iteration, call number within it), the
 same on every replica. What it does not handle: a lead that dies between printing a line and
-recording it (a window of microseconds) makes the line appear twice.
+recording it (a window of microseconds) makes the line appear twice; W&B keeps upstream's single
+run on the job's last rank (a run per replica would split the dashboard), so it pauses while that
+rank is down, as without MeCeFO.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ _KEEP = 64  # entries kept by a non-lead replica: a dead lead is replaced within
 
 
 class Recorder:
-    """A stand-in for a TensorBoard SummaryWriter or the W&B module: records every call."""
+    """A stand-in for a TensorBoard SummaryWriter: records every call."""
 
     def __init__(self, calls: List[Tuple[str, str, tuple, dict]], kind: str) -> None:
         self._calls, self._kind = calls, kind
@@ -85,14 +87,11 @@ class Record:
     def _recording(self, calls: list):
         t = self.training
         if self._getters is None:
-            self._getters = {name: getattr(t, name) for name in ("get_tensorboard_writer", "get_wandb_writer")
-                             if hasattr(t, name)}
+            self._getters = {"get_tensorboard_writer": t.get_tensorboard_writer} \
+                if hasattr(t, "get_tensorboard_writer") else {}
         tb = self._getters.get("get_tensorboard_writer")
-        wandb = self._getters.get("get_wandb_writer")
         if tb is not None:
             t.get_tensorboard_writer = lambda: Recorder(calls, "tb") if (tb() or self._tb_wanted()) else None
-        if wandb is not None:
-            t.get_wandb_writer = lambda: Recorder(calls, "wandb") if wandb() is not None else None
         try:
             yield
         finally:
@@ -138,8 +137,8 @@ class Record:
             if key <= after:
                 continue
             sys.stdout.write(text)
-            for kind, name, args, kwargs in calls:
-                writer = self._tb_writer() if kind == "tb" else self._getters.get("get_wandb_writer", lambda: None)()
+            for _, name, args, kwargs in calls:
+                writer = self._tb_writer()
                 if writer is not None:
                     getattr(writer, name)(*args, **kwargs)
             last = key
