@@ -2,7 +2,8 @@
 # The main job: MeCeFO on CPU. 4 data-parallel ranks pretrain a small LLaMA-style Megatron-Core GPT
 # (examples/pretrain_gpt, on the Python standard library's sources) in DeepSpeed engines; rank 1 is
 # killed (SIGKILL) at step 60, its neighbour covers its micro-batches, and it is restarted 6 s later
-# and rejoins. Sets up .venv on first use. Writes runs/demo/ (per-step JSONL, recovery events,
+# and rejoins (the job waits for it at step 120 if it is not back by then: "hold", so the demo shows
+# the rejoin on any machine). Sets up .venv on first use. Writes runs/demo/ (per-step JSONL, recovery events,
 # run.png). Extra arguments go to examples/pretrain_gpt/pretrain_gpt.py.
 set -euo pipefail
 source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/env.sh"
@@ -15,7 +16,7 @@ mecefo-launch --nproc-per-node 4 --master-port 0 --restart-failed-after 6 exampl
   --num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --normalization RMSNorm --swiglu \
   --position-embedding-type rope --micro-batch-size 2 --global-batch-size 16 --train-iters 300 \
   --lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 20 --eval-interval 100 --eval-iters 8 --log-interval 10 \
-  --mecefo-rank 32 --mecefo-inject kill:1:60:backward "$@" 2>&1 \
+  --mecefo-rank 32 --mecefo-inject kill:1:60:backward --mecefo-inject hold:1:120 "$@" 2>&1 \
   | grep -v -E "^\[20[0-9-]+ [0-9:,]+\] \[(INFO|WARNING)\]|^\s*$|legacy tokenizer"
 python examples/plot_run.py "$OUT"
 python - "$OUT" <<'PY'
