@@ -47,6 +47,24 @@ def test_injector_fires_only_in_the_named_incarnation(monkeypatch):
     assert len(fired) == 2
 
 
+def test_a_trace_under_a_restarting_launcher_holds_for_each_rejoin(monkeypatch):
+    """Every rank holds at an event's rejoin step for the next incarnation of its rank (the trace
+    plays out as written however long a restart takes); a hold never signals anyone."""
+    fired = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: fired.append(sig))
+    trace = [TraceEvent(rank=1, fail_step=5, rejoin_step=8, incarnation=0), TraceEvent(1, 12, 15, 1),
+             TraceEvent(2, 14, 30, 0)]
+    inj = FaultInjector(rank=0).add_trace(trace, hold_until=20)
+    assert [inj.holds(s) for s in (8, 15, 30)] == [[(1, 1)], [(1, 2)], []], "none past the job's end"
+    assert FaultInjector(rank=0).add_trace(trace).holds(8) == [], "no restarts: no holds"
+    restarted = FaultInjector(rank=1, incarnation=1).add_trace(trace, hold_until=20)
+    for step in range(20):
+        for phase in ("forward", "backward"):
+            if (step, phase) != (12, "backward"):
+                restarted.maybe_fire(step, phase)
+    assert fired == []
+
+
 def test_trace_from_events_numbers_incarnations_per_rank():
     from megatron_mecefo.elastic.inject import trace_from_events
 
