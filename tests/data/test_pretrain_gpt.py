@@ -1,46 +1,22 @@
 """examples/pretrain_gpt/pretrain_gpt.py end to end: real processes under mecefo-launch."""
 
 import json
-import re
 import sys
 
 import pytest
 
+from tests.data.pretrain import SMALL, losses, pretrain, valid_loss
 from tests.helpers import ROOT, run_launcher
 
 pytestmark = pytest.mark.dist
 
-SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-iters", "2", "--log-interval", "1",
-         "--lr-decay-style", "constant", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-         "--mecefo-rank", "16", "--mecefo-heartbeat-timeout-s", "2"]
-EXACT = ["--no-mecefo-skip-attention", "--no-mecefo-lowrank-ffn", "--mecefo-recompute-ffn", "never"]
-
-
-def pretrain(tmp_path, nproc, *extra, expect=0):
-    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(nproc), "--master-port", "0",
-           str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"), *SMALL, *extra]
-    proc = run_launcher(cmd, timeout=240)
-    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def losses(out: str):
-    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: (\S+) ", out)}
-
-
-def valid_loss(out: str):
-    return [float(x) for x in re.findall(r"validation loss at iteration \d+ \| lm loss value: (\S+) \|", out)]
-
-
 def test_with_and_without_mecefo_train_the_same_model(tmp_path):
+    # (without a failure no rank covers, so the approximation switches cannot matter: one --mecefo run)
     plain = pretrain(tmp_path, 2, "--train-iters", "8", "--eval-interval", "4")
-    exact = pretrain(tmp_path, 2, "--train-iters", "8", "--eval-interval", "4", "--mecefo", *EXACT)
     mecefo = pretrain(tmp_path, 2, "--train-iters", "8", "--eval-interval", "4", "--mecefo")
-    vp, ve, vm = valid_loss(plain.stdout), valid_loss(exact.stdout), valid_loss(mecefo.stdout)
+    vp, vm = valid_loss(plain.stdout), valid_loss(mecefo.stdout)
     assert len(vp) == 2 and vp[1] < vp[0]
-    assert ve == pytest.approx(vp, rel=1e-5), "MeCeFO's runtime without failures = plain DeepSpeed data parallelism"
-    assert vm == pytest.approx(vp, rel=1e-5), "no failure: MeCeFO changes nothing"
+    assert vm == pytest.approx(vp, rel=1e-5), "no failure: MeCeFO's runtime = plain DeepSpeed data parallelism"
 
 
 def test_injected_kill_is_absorbed(tmp_path):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.data.test_pretrain_gpt import SMALL, losses, pretrain
+from tests.data.pretrain import SMALL, losses, pretrain
 from tests.helpers import ROOT, run_launcher
 
 pytestmark = pytest.mark.dist
