@@ -144,13 +144,13 @@ def test_refused_setups_end_before_training(mds_checkout, tmp_path):
 @pytest.mark.fault
 @pytest.mark.parametrize("phase", ["forward", "backward", "allreduce", "optimizer"])
 def test_the_record_survives_the_lead(mds_checkout, tmp_path, phase):
-    """3 replicas; rank 0, the lead (its replica prints, evaluates and saves for the job), is
+    """2 replicas; rank 0, the lead (its replica prints, evaluates and saves for the job), is
     SIGKILLed at step 4 in `phase` and not restarted. In "optimizer" it dies after step 4 was
     committed and before it printed iteration 5 and its evaluation: the next lead prints them.
     Every iteration is logged once and every evaluation once, as in a run without a failure."""
     root, data = mds_checkout
     extra = ["--mecefo", "--mecefo-rank", "16"]
-    out = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds.json", dp=3, iters=8,
+    out = mds.mecefo_launch(root, 2, mds.args(data, tmp_path / "ds.json", dp=2, iters=8,
                                               extra=extra + ["--mecefo-inject", f"kill:0:4:{phase}"]))
     assert out.returncode == 0, out.stdout[-6000:]
     assert "[mecefo inject] rank 0: kill at step 4" in out.stdout
