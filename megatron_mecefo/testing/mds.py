@@ -1,7 +1,7 @@
 """Running an extracted, patched Megatron-DeepSpeed snapshot in the tests and benchmarks (CPU, gloo).
 
-The snapshot is $MECEFO_UPSTREAM_DIR/Megatron-DeepSpeed-*.tar.gz (default: shared/upstream next to the checkout); tests
-skip, naming it, when it is absent. Its processes get on PYTHONPATH: a torchvision stand-in
+The snapshot is $MECEFO_UPSTREAM_DIR/Megatron-DeepSpeed-*.tar.gz (default: shared/upstream next to
+the checkout); tests skip, naming it, when it is absent. Its processes get on PYTHONPATH: a torchvision stand-in
 (stubs/: upstream imports torchvision through its vision code only; the PyPI wheel does not load
 with the CPU torch) and the "mds" extra's packages ($MECEFO_MDS_DEPS, installed by
 scripts/test.sh), unless this environment already imports transformers.
