@@ -212,3 +212,14 @@ def record(out: str) -> Dict[str, Dict[int, int]]:
     for m in re.finditer(r"(?:validation|test) loss at iteration (\d+)", out):
         counts["evaluation"][int(m.group(1))] = counts["evaluation"].get(int(m.group(1)), 0) + 1
     return counts
+
+
+def assert_recorded_once(out, *, killed: str, iters: int, evaluations: Dict[int, int]) -> None:
+    """A run (a launcher's CompletedProcess) that lost a rank (`killed`, the injector's words)
+    finished and logged every iteration 1..iters once and each evaluation as often as upstream does
+    (`evaluations`: iteration -> count; at the end upstream evaluates the validation and test sets)."""
+    assert out.returncode == 0, out.stdout[-6000:]
+    assert f"[mecefo inject] {killed}" in out.stdout
+    got = record(out.stdout)
+    assert got["iteration"] == {i: 1 for i in range(1, iters + 1)}, got
+    assert got["evaluation"] == evaluations, got
