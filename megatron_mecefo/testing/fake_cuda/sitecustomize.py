@@ -124,20 +124,4 @@ if os.environ.get("MECEFO_TEST_FAKE_CUDA") == "1":
 
         cpp_extension.CUDA_HOME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_home")
 
-        # Upstream ends without destroying its process groups. With NCCL that is harmless; with the
-        # dozen gloo groups Megatron-LM builds here, interpreter teardown sometimes destroys one while
-        # its worker thread runs and the process aborts ("terminate called without an active
-        # exception", exit -6) after the run has finished, unpatched or patched alike. Destroy them
-        # first, as a GPU run's teardown would not need.
-        import atexit
-
-        def _destroy_process_groups():
-            import torch.distributed as dist
-
-            try:
-                if dist.is_available() and dist.is_initialized():
-                    dist.destroy_process_group()
-            except Exception:
-                pass
-
-        atexit.register(_destroy_process_groups)
+    import megatron_mecefo.testing.teardown  # noqa: F401,E402  (gloo groups destroyed at exit)
