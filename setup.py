@@ -29,7 +29,7 @@ setup(
     # the patches for existing Megatron checkouts (mecefo-patch finds them here in a wheel install)
     data_files=[(f"share/megatron-mecefo/{d}", glob.glob(f"{d}/*")) for d in glob.glob("patches/*")],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5"],
         "bench": ["matplotlib>=3.8"],
         # what Megatron-DeepSpeed's pretrain_gpt.py imports beyond torch and deepspeed (it also imports
         # torchvision, through its vision code: bring the one matching your torch)

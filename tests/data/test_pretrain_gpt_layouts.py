@@ -120,16 +120,14 @@ def test_giving_up_writes_every_shard_and_resumes(tmp_path):
 
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]],
                          ids=["tp2", "pp2"])
-def test_mecefo_changes_nothing_without_a_failure_and_the_exact_fold_matches(tmp_path, layout):
-    """D=2: with --mecefo and no failure the run equals plain DeepSpeed + Megatron-Core on the same
-    layout; with every approximation off, a run whose replica 1 is killed at step 3 (replica 0 runs
-    its micro-batches exactly from then on) equals them too."""
+def test_mecefo_changes_nothing_before_a_failure_and_the_exact_fold_after(tmp_path, layout):
+    """D=2, every approximation off, replica 1 killed at step 5: the validation loss at iteration 4
+    (four failure-free --mecefo steps) and at iteration 8 (replica 0 ran replica 1's micro-batches
+    exactly from step 5 on) both equal plain DeepSpeed + Megatron-Core's on the same layout."""
     common = ["--global-batch-size", "8", "--train-iters", "8", "--eval-interval", "4", "--log-interval", "4"]
     plain = valid_loss(launch(tmp_path, 4, layout, *common).stdout)
-    mecefo = valid_loss(launch(tmp_path, 4, layout, *common, "--mecefo").stdout)
-    folded = launch(tmp_path, 4, layout, *common, "--mecefo", *EXACT, "--mecefo-inject", "kill:3:3:backward")
+    folded = launch(tmp_path, 4, layout, *common, "--mecefo", *EXACT, "--mecefo-inject", "kill:3:5:backward")
     assert len(plain) == 2 and plain[1] < plain[0]
-    assert mecefo == pytest.approx(plain, rel=1e-5)
     assert "cover 1->0" in folded.stdout
     assert valid_loss(folded.stdout) == pytest.approx(plain, rel=1e-5)
 
@@ -173,12 +171,13 @@ def test_tensor_parallel_under_the_deepspeed_launcher(tmp_path):
 def test_two_launchers_lose_a_node_holding_a_whole_replica(tmp_path):
     """A head-node store (`mecefo-store`) and two launchers over loopback, T=2: node 0 holds replica 0
     (ranks 0, 1), node 1 replica 1 (ranks 2, 3). Node 1's launcher is SIGKILLed mid-run with its
-    ranks: replica 0 covers replica 1 and finishes every step on the whole global batch."""
-    steps = 150
+    ranks: replica 0 covers replica 1 and finishes every step on the whole global batch. (The job
+    cannot end before it notices: every step's reduction needs replica 1 until it is presumed lost.)"""
+    steps = 40
     store, node0 = two_nodes_lose_one(
         tmp_path, [ROOT / "examples/pretrain_gpt/pretrain_gpt.py", "--deepspeed_config",
                    ROOT / "examples/pretrain_gpt/ds_config.json", *MODEL, "--tensor-model-parallel-size", "2",
-                   "--global-batch-size", "8", "--train-iters", steps, "--eval-interval", steps, "--log-interval", "50",
+                   "--global-batch-size", "8", "--train-iters", steps, "--eval-interval", steps, "--log-interval", "10",
                    "--mecefo", "--mecefo-log-dir", tmp_path, "--mecefo-log-param-hash"], victim_node=1, start_s=180,
         finish_s=240)
     out, err = node0.stdout, node0.stderr
