@@ -33,7 +33,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
-from megatron_mecefo.elastic.topology import Grid, ring_cover
+from megatron_mecefo.elastic.fold import fold_neighbor
+from megatron_mecefo.elastic.topology import CoverMap, Grid, ring_cover
 from megatron_mecefo.log import read_jsonl
 from megatron_mecefo.errors import NoCoverAvailable
 
@@ -184,23 +185,47 @@ def _check_steps(records: Dict[int, List[dict]], grid: Grid, k: int, last: int) 
                    f"extra {sorted(set(records) - set(range(last)))[:10]}")
     full = [(d, j) for d in range(grid.dp) for j in range(k)]
     for step in sorted(records):
-        bad += _check_step(step, records[step], grid, full)
+        bad += _check_step(step, records, grid, k, full)
         if len(bad) > 12:
             break
     return bad
 
 
-def _check_step(step: int, records: List[dict], grid: Grid, full: list) -> List[str]:
+def _died_after_commit(step: int, records: Dict[int, List[dict]], grid: Grid, k: int) -> tuple:
+    """Members of the generation that committed `step` but never wrote its record: SIGKILLed
+    between the store's commit decision and their write. Legitimate only if the generation never
+    went on with them. Returns ((tp, pp) position -> the micro-batches they ran, violations)."""
+    recs = records[step]
+    generation, live = recs[0]["generation"], recs[0]["live"]
+    silent = sorted(set(live) - {r["rank"] for r in recs})
+    plan = CoverMap(grid, tuple(grid.live_replicas(live)), {int(f): c for f, c in recs[0]["cover"].items()})
+    ran: Dict[tuple, list] = defaultdict(list)
     bad = []
+    for rank in silent:
+        later = [s for s in records if s > step and any(
+            r["generation"] == generation and rank in r["live"] for r in records[s])]
+        if later:
+            bad.append(f"rank {rank} has no record of step {step}, yet generation {generation} went on with it "
+                       f"(step {later[0]})")
+        ran[grid.position(rank)] += [(m.replica, m.index) for m in
+                                     fold_neighbor(plan, k).micro_batches(grid.replica_of(rank))]
+    return ran, bad
+
+
+def _check_step(step: int, by_step: Dict[int, List[dict]], grid: Grid, k: int, full: list) -> List[str]:
+    bad, records = [], by_step[step]
     if len({r["generation"] for r in records}) != 1:
         bad.append(f"step {step} committed by several generations: {sorted({r['generation'] for r in records})}")
+        return bad
     ranks = [r["rank"] for r in records]
     if len(ranks) != len(set(ranks)):
         bad.append(f"step {step} committed twice by one rank: {sorted(ranks)}")
-    for position in sorted({grid.position(r) for r in ranks}):
+    silent, why = _died_after_commit(step, by_step, grid, k)
+    bad += why
+    for position in sorted({grid.position(r) for r in ranks} | set(silent)):
         recs = [r for r in records if grid.position(r["rank"]) == position]
         where = f" at position (tp, pp) = {position}" if grid.tp * grid.pp > 1 else ""
-        mbs = sorted((m[0], m[1]) for r in recs for m in r["micro_batches"])
+        mbs = sorted([(m[0], m[1]) for r in recs for m in r["micro_batches"]] + silent.get(position, []))
         if mbs != full:
             bad.append(f"step {step} did not consume the global batch exactly once{where}: {mbs}")
         if len({r.get("param_sha256") for r in recs}) > 1:

@@ -9,6 +9,8 @@ import pytest
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic import chaos
 from megatron_mecefo.elastic.chaos import Fault, Schedule
+from megatron_mecefo.elastic.fold import fold_neighbor
+from megatron_mecefo.elastic.topology import Grid, ring_cover
 
 # -- schedules (pure) ------------------------------------------------------------------------------
 
@@ -33,15 +35,25 @@ def test_random_schedules_are_deterministic_and_parse_as_flags():
 K = 2
 
 
-def _write_logs(d: Path, steps, world=3, cover_step=None, drop=None, hash_of=None):
-    """Step records of a healthy 3-rank run, with optional damage."""
+def _write_logs(d: Path, steps, world=3, drop=None, hash_of=None, silent=None, regroup=True):
+    """Step records of a healthy 3-rank run, with optional damage. `silent` = (step, rank): that
+    rank writes nothing from `step` on (SIGKILLed after the step's commit, before its record);
+    with `regroup` the others go on from step + 1 in generation 1, covering it."""
+    grid = Grid(dp=world)
     for r in range(world):
         with open(d / f"steps_rank{r}.jsonl", "w") as f:
             for s in range(steps):
-                mbs = [[r, j, False] for j in range(K)]
+                if silent and r == silent[1] and s >= silent[0]:
+                    break
+                live, gen = list(range(world)), 0
+                if silent and regroup and s > silent[0]:
+                    live, gen = [x for x in live if x != silent[1]], 1
+                plan = ring_cover(grid, live)
+                mbs = [[m.replica, m.index, m.covering] for m in fold_neighbor(plan, K).micro_batches(r)]
                 if drop == (s, r):
                     mbs = mbs[:1]
-                rec = {"event": "step", "rank": r, "step": s, "generation": 0, "micro_batches": mbs,
+                rec = {"event": "step", "rank": r, "step": s, "generation": gen, "live": live,
+                       "cover": {str(f): c for f, c in plan.cover.items()}, "micro_batches": mbs,
                        "param_sha256": (hash_of or {}).get((s, r), f"h{s}")}
                 f.write(json.dumps(rec) + "\n")
 
@@ -67,6 +79,13 @@ def test_checker_passes_a_good_run_and_catches_damage(tmp_path):
     assert "exactly once" in chaos.check_run(_result(0), tmp_path, SCHED, k=K, bound_s=60)[1][0]
     _write_logs(tmp_path, 5, hash_of={(2, 2): "other"})
     assert chaos.check_run(_result(0), tmp_path, SCHED, k=K, bound_s=60)[1] == ["replicas differ at the start of step 2"]
+    # killed between the store's commit decision and its record: the step still ran the whole batch
+    _write_logs(tmp_path, 5, silent=(2, 1))
+    assert chaos.check_run(_result(0), tmp_path, SCHED, k=K, bound_s=60) == ("finished", [])
+    # ... but a member that wrote no record while its generation went on with it is a violation
+    _write_logs(tmp_path, 5, silent=(2, 1), regroup=False)
+    assert "no record of step 2, yet generation 0 went on with it" in \
+        chaos.check_run(_result(0), tmp_path, SCHED, k=K, bound_s=60)[1][0]
 
 
 def _gave_up(d: Path, rank, **fields):
