@@ -99,7 +99,8 @@ def init_replica(state: State, cfg, *, backend: str, tensor_parallel: int, data_
 
     state.job = init_distributed(backend, tensor_parallel, 1, timeout_s=cfg.collective_timeout_s,
                                  join_timeout_s=cfg.join_timeout_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                                 log_dir=cfg.log_dir)
+                                 log_dir=cfg.log_dir, restart_failed_after=cfg.restart_failed_after,
+                                 max_restarts=cfg.max_restarts, store=cfg.store)
     state.cfg, state.dp = cfg, data_parallel
 
 
