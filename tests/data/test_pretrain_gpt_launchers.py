@@ -28,12 +28,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _args(log_dir, world):
+def _args(log_dir, world, *, rejoin=True, steps=STEPS):
+    """pretrain_gpt with --mecefo; with `rejoin`, keepers restart a crashed rank after 1 s and the job
+    holds at step HOLD until rank 1's second incarnation asks to rejoin (whenever the kill lands)."""
     drop = {"--global-batch-size"}
     small = [a for i, a in enumerate(SMALL) if a not in drop and (i == 0 or SMALL[i - 1] not in drop)]
-    return [str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"), *small, "--global-batch-size", str(4 * world),
-            "--train-iters", str(STEPS), "--eval-interval", str(STEPS), "--mecefo", "--mecefo-log-dir", str(log_dir),
-            "--mecefo-log-param-hash", "--mecefo-restart-failed-after", "1", "--mecefo-inject", f"hold:1:{HOLD}"]
+    args = [str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"), *small, "--global-batch-size", str(4 * world),
+            "--train-iters", str(steps), "--eval-interval", str(steps), "--mecefo", "--mecefo-log-dir", str(log_dir),
+            "--mecefo-log-param-hash"]
+    return args + (["--mecefo-restart-failed-after", "1", "--mecefo-inject", f"hold:1:{HOLD}"] if rejoin else [])
 
 
 def _child_pid(err: Path, rank: int, deadline: float) -> int:
@@ -123,3 +126,92 @@ def test_ranks_started_by_hand_survive_a_killed_rank_which_rejoins(tmp_path):
            for r in range(3)]
     cmd = [sys.executable, *_args(tmp_path / "logs", 3)]
     check_rejoined(tmp_path, run_and_kill([cmd] * 3, tmp_path, 3, env=env), 3)
+
+
+def _node_launch(node_rank, world_info, port, args):
+    """What DeepSpeed's multi-node runner starts on each node (over pdsh/ssh): its per-node launcher."""
+    import base64
+
+    info = base64.urlsafe_b64encode(json.dumps(world_info).encode()).decode()
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={info}", f"--node_rank={node_rank}",
+            "--master_addr=127.0.0.1", f"--master_port={port}", *args]
+
+
+def test_two_nodes_with_an_external_store_lose_node_0(tmp_path):
+    """A `mecefo-store` on a head node and two DeepSpeed node launches (2 ranks each) pointed at it
+    with --mecefo-store. Node 0's launcher is SIGKILLed with its ranks and keepers once rank 2 has
+    trained 3 steps: node 1 covers both lost replicas and finishes every step on the whole batch."""
+    store_port, master_port = _free_port(), _free_port()
+    store = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.store_daemon", "--host", "127.0.0.1",
+                              "--port", str(store_port), "--grace", "1"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert store.stdout.readline().startswith("ready: the store of job")
+    args = _args(tmp_path / "logs", 4, rejoin=False, steps=40) + ["--mecefo-store", f"127.0.0.1:{store_port}"]
+    world_info = {"node0": [0, 1], "node1": [0, 1]}
+    nodes = [subprocess.Popen(_node_launch(i, world_info, master_port, args), cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for i in (0, 1)]
+    try:
+        deadline = time.monotonic() + 240
+        steps = tmp_path / "logs" / "steps_rank2.jsonl"
+        while not steps.exists() or len(steps.read_text().splitlines()) < 3:
+            assert time.monotonic() < deadline and all(n.poll() is None for n in nodes), "the job did not train"
+            time.sleep(0.1)
+        os.killpg(nodes[0].pid, signal.SIGKILL)  # node 0: its launcher, keepers and training processes
+        out, err = nodes[1].communicate(timeout=240)
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+    assert nodes[1].returncode == 0, out[-3000:] + err[-4000:]
+    assert "validation loss at iteration 40" in out
+    records = mds.step_records(tmp_path / "logs")
+    assert sorted(records) == list(range(40))
+    last = records[39]
+    assert sorted(r["rank"] for r in last) == [2, 3] and all(r["samples"] == 16 for r in last)
+    assert store.wait(timeout=60) == 0, "the store ends with its job"
+
+
+def _processes_mentioning(text: str):
+    """pids of this machine's processes whose command line contains `text`."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if text in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_sigterm_to_the_launcher_leaves_no_process_behind(tmp_path, launcher):
+    """A scheduler cancelling the job: SIGTERM to the node's launcher mid-run (DeepSpeed's per-node
+    launcher, which `deepspeed` runs on each node; torchrun's agent) ends every keeper, every
+    training process and the job's store. (On one node the `deepspeed` runner itself does not
+    forward SIGTERM to it: a DeepSpeed property; Ctrl-C and Slurm signal every process anyway.)"""
+    port = _free_port()
+    if launcher == "deepspeed":
+        cmd = _node_launch(0, {"localhost": [0, 1]}, port, _args(tmp_path / "logs", 2))
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+               *_args(tmp_path / "logs", 2)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err.txt", "w"))
+    mine = str(tmp_path / "logs")
+    try:
+        deadline = time.monotonic() + 240
+        steps = tmp_path / "logs" / "steps_rank1.jsonl"
+        while not steps.exists() or len(steps.read_text().splitlines()) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "err.txt").read_text()[-3000:]
+            time.sleep(0.1)
+        assert len(_processes_mentioning(mine)) >= 4, "2 keepers + 2 training processes"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    deadline = time.monotonic() + 60
+    while _processes_mentioning(mine) or _processes_mentioning(f"--port {port} "):
+        assert time.monotonic() < deadline, "processes outlived the cancelled job: " + str(
+            _processes_mentioning(mine) + _processes_mentioning(f"--port {port} "))
+        time.sleep(0.5)
