@@ -356,8 +356,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from megatron_mecefo.config import LaunchEnv
-
     # how a MeCeFO job ends -> exit codes: 3 gave up, 4 left the job (restarted), 2 bad input
     # (a flag, a store of another job, a bad checkpoint)
-    run_to_exit(main, usage=(ValueError, FileNotFoundError), under_mecefo_launch=lambda: LaunchEnv.read().mecefo_launcher)
+    run_to_exit(main, usage=(ValueError, FileNotFoundError))

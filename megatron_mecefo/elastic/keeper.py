@@ -92,10 +92,16 @@ def keep(env: LaunchEnv, *, restart_failed_after: Optional[float], max_restarts:
     log.info("job %s: store on %s:%d; training runs in a child process (restarts: %s)", job_id, host, port,
              f"after {restart_failed_after:g} s, at most {restarts}" if restart_failed_after is not None else "none")
 
+    nccl = {}
+    if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1":
+        # torchrun's default tears a process down on a communicator error, survivors included; MeCeFO
+        # needs the communicator aborted and an error raised (untested here: no GPU in CI)
+        nccl = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
     def env_for(r: Rank) -> dict:
         return dict(os.environ, MASTER_ADDR=host, MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="1",
                     MECEFO_INCARNATION=str(r.incarnation), MECEFO_LAUNCHER="1", MECEFO_KEEPER="1",
-                    MECEFO_JOB_ID=job_id, MECEFO_MAX_RESTARTS=str(restarts))
+                    MECEFO_JOB_ID=job_id, MECEFO_MAX_RESTARTS=str(restarts), **nccl)
 
     command = [sys.executable, *sys.orig_argv[1:]]
     code = Supervisor([Rank(env.rank, env.local_rank, env.incarnation)], command, env_for,

@@ -162,7 +162,7 @@ def run_job(pretrain: Callable, *, mecefo_launcher: Callable[[], bool], close: C
     (errors.run_to_exit: 3 gave up, 4 left the job and is restarted, 2 bad input)."""
     from megatron_mecefo.errors import run_to_exit
 
-    return run_to_exit(pretrain, usage=(UsageError,), under_mecefo_launch=mecefo_launcher, close=close)
+    return run_to_exit(pretrain, usage=(UsageError,), close=close)
 
 
 def one_replica_at_a_time(original: Callable, active: Callable[[], bool], lock_dir: Callable[[], str]) -> Callable:

@@ -28,14 +28,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _args(log_dir, world, *, rejoin=True, steps=STEPS):
-    """pretrain_gpt with --mecefo; with `rejoin`, keepers restart a crashed rank after 1 s and the job
-    holds at step HOLD until rank 1's second incarnation asks to rejoin (whenever the kill lands)."""
-    drop = {"--global-batch-size"}
+def _args(log_dir, world, *, rejoin=True, steps=STEPS, ds_config=None):
+    """pretrain_gpt with --mecefo; with `rejoin`, keepers restart a crashed rank after 1 s (a flag, or
+    the ds_config block when `ds_config` is given) and the job holds at step HOLD until rank 1's
+    second incarnation asks to rejoin (whenever the kill lands)."""
+    drop = {"--global-batch-size"} | ({"--mecefo-rank"} if ds_config else set())
     small = [a for i, a in enumerate(SMALL) if a not in drop and (i == 0 or SMALL[i - 1] not in drop)]
     args = [str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"), *small, "--global-batch-size", str(4 * world),
-            "--train-iters", str(steps), "--eval-interval", str(steps), "--mecefo", "--mecefo-log-dir", str(log_dir),
-            "--mecefo-log-param-hash"]
+            "--train-iters", str(steps), "--eval-interval", str(steps), "--mecefo", "--mecefo-log-param-hash"]
+    if ds_config is not None:
+        return args + ["--deepspeed_config", str(ds_config)] + (["--mecefo-inject", f"hold:1:{HOLD}"] if rejoin else [])
+    args += ["--mecefo-log-dir", str(log_dir)]
     return args + (["--mecefo-restart-failed-after", "1", "--mecefo-inject", f"hold:1:{HOLD}"] if rejoin else [])
 
 
@@ -100,11 +103,17 @@ def check_rejoined(tmp_path, results, world, victim=1):
 
 
 def test_deepspeed_launcher_survives_a_killed_rank_which_rejoins(tmp_path):
-    """`deepspeed --num_gpus 3 pretrain_gpt.py --mecefo --mecefo-restart-failed-after 1`: rank 1's
-    training process is SIGKILLed from outside mid-run. DeepSpeed's launcher would end every rank
-    when one exits non-zero; the keeper does not exit, so nobody does."""
+    """`deepspeed --num_gpus 3 pretrain_gpt.py --deepspeed_config ds_config.json --mecefo` with the
+    shipped config, its "mecefo" block setting the rank, the log directory and
+    "restart_failed_after": 1: rank 1's training process is SIGKILLed from outside mid-run.
+    DeepSpeed's launcher would end every rank when one exits non-zero; the keeper does not exit, so
+    nobody does: the job finishes with every step whole and rank 1 back."""
+    cfg = json.loads((ROOT / "examples/pretrain_gpt/ds_config.json").read_text())
+    assert cfg["mecefo"]["rank"] == 64
+    cfg["mecefo"].update(rank=16, log_dir=str(tmp_path / "logs"), restart_failed_after=1)  # hidden 64 here: r < 64
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "3", "--master_port", str(_free_port()),
-           *_args(tmp_path / "logs", 3)]
+           *_args(None, 3, ds_config=tmp_path / "ds.json")]
     check_rejoined(tmp_path, run_and_kill([cmd], tmp_path, 3), 3)
 
 
