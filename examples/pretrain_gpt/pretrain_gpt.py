@@ -356,6 +356,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from megatron_mecefo.elastic.keeper import keep_early
+
+    keep_early(sys.argv[1:])  # deepspeed / torchrun / by hand with --mecefo: this process keeps the rank
     # how a MeCeFO job ends -> exit codes: 3 gave up, 4 left the job (restarted), 2 bad input
     # (a flag, a store of another job, a bad checkpoint)
     run_to_exit(main, usage=(ValueError, FileNotFoundError))

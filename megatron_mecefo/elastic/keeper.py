@@ -35,7 +35,7 @@ from megatron_mecefo.elastic.store_daemon import spawn_store_daemon
 from megatron_mecefo.elastic.supervise import Rank, Supervisor
 from megatron_mecefo.errors import USAGE_EXIT_CODE, JobConflict
 
-__all__ = ["keep", "job_store_for"]
+__all__ = ["keep", "keep_early", "job_store_for"]
 
 
 def _logger(rank: int) -> logging.Logger:
@@ -112,3 +112,31 @@ def keep(env: LaunchEnv, *, restart_failed_after: Optional[float], max_restarts:
     sys.stderr.flush()
     os._exit(code)  # nothing of the host's (atexit hooks, process groups) ran here to tear down
 
+
+
+def keep_early(argv) -> None:
+    """For a script's entry point, before its heavy imports: with `--mecefo` (flag or ds_config
+    block, `--deepspeed_config`) under a launcher other than mecefo-launch, become the rank's keeper
+    now (never returns), so the keeper process does not import DeepSpeed or Megatron for nothing.
+    Otherwise, or when the flags do not parse, return: the script reports bad input itself."""
+    import argparse
+
+    from megatron_mecefo.config import MeCeFOConfig
+
+    if os.environ.get("MECEFO_LAUNCHER") == "1" or "RANK" not in os.environ:
+        return
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--deepspeed_config", "--deepspeed-config", default=None)
+    MeCeFOConfig.add_cli_args(parser)
+    try:
+        args, _ = parser.parse_known_args(argv)
+        block = None
+        if args.deepspeed_config:
+            with open(args.deepspeed_config) as f:
+                block = json.load(f).get("mecefo")
+        cfg = MeCeFOConfig.from_args(args, block)
+        env = LaunchEnv.read()
+    except (SystemExit, Exception):  # the script's own parsing says what is wrong
+        return
+    if cfg.enable:
+        keep(env, restart_failed_after=cfg.restart_failed_after, max_restarts=cfg.max_restarts, store=cfg.store)
