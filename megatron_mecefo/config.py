@@ -128,6 +128,17 @@ class MeCeFOConfig:
     """How long a restarted rank waits, from its start, to be let back in (a trace's down time
     included); with tensor or pipeline parallelism also how long a rank waits for the other ranks of
     its replica to start."""
+    restart_failed_after: Optional[float] = None
+    """Under a launcher other than mecefo-launch (deepspeed, torchrun, srun, by hand), each rank's
+    keeper restarts a crashed training process after this many seconds so it rejoins (None: it is
+    not restarted; the job goes on without it). Under mecefo-launch, its --restart-failed-after."""
+    max_restarts: int = 3
+    """How often a keeper restarts its rank's training process (with restart_failed_after)."""
+    store: Optional[str] = None
+    """HOST:PORT of a `mecefo-store` on a node that does not train, for ranks started by a launcher
+    other than mecefo-launch: then losing any node, node 0 included, is survived (None: rank 0's
+    keeper starts the job's store on MASTER_ADDR:MASTER_PORT; under torchrun the job uses the
+    agent's store)."""
     log_dir: Optional[str] = None
     """Directory of the per-step and recovery-event logs, steps_rank{R}.jsonl and events_rank{R}.jsonl
     (None: no files)."""
@@ -173,6 +184,16 @@ class MeCeFOConfig:
                 f"{self._where('agree_timeout_s')} must exceed collective_timeout_s ({self.collective_timeout_s}): "
                 f"survivors wait for peers still blocked in a collective; got {self.agree_timeout_s}"
             )
+        if self.restart_failed_after is not None:
+            value = self.restart_failed_after
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{self._where('restart_failed_after')} must be a number >= 0, got {value!r}")
+            self.restart_failed_after = float(value)
+        self._check_int_range("max_restarts", 0)
+        if self.store is not None:
+            host, _, port = str(self.store).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{self._where('store')} must be HOST:PORT (a mecefo-store), got {self.store!r}")
         if self.log_dir is not None and not isinstance(self.log_dir, str):
             raise ValueError(f"{self._where('log_dir')} must be a path string, got {self.log_dir!r}")
         self.inject = tuple(parse_rules(self.inject, self._where("inject")))
@@ -296,6 +317,13 @@ class MeCeFOConfig:
         why = " (micro-batches run one at a time)" if self.recompute_ffn == "auto" and live_microbatches == 1 else ""
         return f"recompute_ffn={self.recompute_ffn} -> {'on' if on else 'off'}{why}"
 
+    def restarts(self, env: LaunchEnv) -> int:
+        """How often a failed rank of this job is restarted: mecefo-launch's budget under it, else
+        the keeper's (max_restarts, with restart_failed_after)."""
+        if env.mecefo_launcher:
+            return env.max_restarts
+        return self.max_restarts if self.restart_failed_after is not None else 0
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -303,7 +331,8 @@ class MeCeFOConfig:
 # -- one source for the CLI help and the README's configuration reference ---------------------------
 
 _CHOICES = {"svd_method": SVD_METHODS, "recompute_ffn": RECOMPUTE_CHOICES, "approximate": APPROXIMATE_CHOICES}
-_FLAG_KINDS = {"enable": "store_true", "log_param_hash": "bool", "log_dir": "str"}
+_FLAG_KINDS = {"enable": "store_true", "log_param_hash": "bool", "log_dir": "str", "store": "str",
+               "restart_failed_after": "float"}
 
 
 def field_docs() -> Dict[str, str]:

@@ -82,19 +82,18 @@ class JobFinished(MeCeFOError):
     """A restarted rank came back after training ended: nothing to rejoin; exit cleanly."""
 
 
-def run_to_exit(main, *, usage: tuple = (ValueError,), under_mecefo_launch=lambda: True, close=None):
+def run_to_exit(main, *, usage: tuple = (ValueError,), close=None):
     """Run `main()` and end the process as the launchers expect of a MeCeFO rank: the one mapping
     from how a job ends to exit codes, used by the examples and both upstream adapters.
 
     * JobFinished (a restarted rank came back after training ended): a note, returns None.
     * GaveUp: why, and where the checkpoint of the last committed step is; exit GAVE_UP_EXIT_CODE.
     * NotAMember (left out: presumed failed, or its replica lost a rank): exit RETIRED_EXIT_CODE so
-      mecefo-launch restarts it (0 under launchers that end every rank when one fails), without
-      interpreter teardown (destructors of broken process groups can abort).
+      its supervisor (mecefo-launch or the keeper) restarts it, without interpreter teardown
+      (destructors of broken process groups can abort).
     * `usage` errors (bad input before training) and JobConflict: "error: ..."; exit USAGE_EXIT_CODE.
 
     Args:
-        under_mecefo_launch: () -> whether mecefo-launch started this rank.
         close: (finished: bool) -> None, run when `main` returns (True) or exits on its own
             (SystemExit: True when its code is 0).
     """
@@ -113,7 +112,7 @@ def run_to_exit(main, *, usage: tuple = (ValueError,), under_mecefo_launch=lambd
         sys.exit(GAVE_UP_EXIT_CODE)
     except NotAMember as e:
         print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
-        os._exit(RETIRED_EXIT_CODE if under_mecefo_launch() else 0)
+        os._exit(RETIRED_EXIT_CODE)
     except (JobConflict,) + tuple(usage) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(USAGE_EXIT_CODE)

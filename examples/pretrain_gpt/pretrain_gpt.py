@@ -251,10 +251,11 @@ def main(argv=None):
         if mecefo.trace is not None:
             if sharded:
                 raise ValueError('mecefo "trace" needs tensor and pipeline parallel size 1 (use --mecefo-inject)')
-            job_trace(mecefo.trace, env.world, args.train_iters, env.max_restarts)
+            job_trace(mecefo.trace, env.world, args.train_iters, mecefo.restarts(env))
         init_distributed(tensor_parallel=tp, pipeline_parallel=pp, timeout_s=mecefo.collective_timeout_s,
                          join_timeout_s=mecefo.join_timeout_s, heartbeat_timeout_s=mecefo.heartbeat_timeout_s,
-                         log_dir=mecefo.log_dir)
+                         log_dir=mecefo.log_dir, restart_failed_after=mecefo.restart_failed_after,
+                         max_restarts=mecefo.max_restarts, store=mecefo.store)
     else:
         import deepspeed
 
@@ -355,8 +356,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from megatron_mecefo.config import LaunchEnv
+    from megatron_mecefo.elastic.keeper import keep_early
 
+    keep_early(sys.argv[1:])  # deepspeed / torchrun / by hand with --mecefo: this process keeps the rank
     # how a MeCeFO job ends -> exit codes: 3 gave up, 4 left the job (restarted), 2 bad input
     # (a flag, a store of another job, a bad checkpoint)
-    run_to_exit(main, usage=(ValueError, FileNotFoundError), under_mecefo_launch=lambda: LaunchEnv.read().mecefo_launcher)
+    run_to_exit(main, usage=(ValueError, FileNotFoundError))

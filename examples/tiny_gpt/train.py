@@ -135,7 +135,7 @@ def main():
         return engine
 
     # exits 3 (gave up), 4 (left the job: mecefo-launch restarts it), 2 (bad input)
-    engine = run_to_exit(train, under_mecefo_launch=lambda: job.mecefo_launcher)
+    engine = run_to_exit(train)
     if engine is None:  # a restarted rank came back after training ended
         return
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}

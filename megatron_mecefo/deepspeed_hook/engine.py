@@ -260,7 +260,8 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
         tp = parallel_state.get_tensor_model_parallel_world_size()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
     job = init_distributed(backend, tp, pp, timeout_s=cfg.collective_timeout_s, join_timeout_s=cfg.join_timeout_s,
-                           heartbeat_timeout_s=cfg.heartbeat_timeout_s, log_dir=cfg.log_dir)
+                           heartbeat_timeout_s=cfg.heartbeat_timeout_s, log_dir=cfg.log_dir,
+                           restart_failed_after=cfg.restart_failed_after, max_restarts=cfg.max_restarts, store=cfg.store)
     os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize asserts on it
     if pp > 1 and getattr(model, "share_embeddings_and_output_weights", False):
         raise ValueError("tied input and output embeddings (share_embeddings_and_output_weights) with pipeline "

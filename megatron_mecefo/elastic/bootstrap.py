@@ -16,7 +16,6 @@ from megatron_mecefo.config import LaunchEnv, prepare_nccl_error_handling
 from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.elastic.membership import Membership, OrphanWatch
 from megatron_mecefo.elastic.replica import replica_round, watch_replica
-from megatron_mecefo.elastic.store_daemon import spawn_store_daemon
 from megatron_mecefo.elastic.topology import Grid
 from megatron_mecefo.errors import GaveUp
 from megatron_mecefo.log import EventLog
@@ -29,7 +28,8 @@ _JOB: Optional[LaunchEnv] = None
 
 def init_distributed(backend: str = "gloo", tensor_parallel: int = 1, pipeline_parallel: int = 1,
                      timeout_s: float = 60.0, join_timeout_s: float = 900.0, heartbeat_timeout_s: float = 5.0,
-                     log_dir: Optional[str] = None) -> LaunchEnv:
+                     log_dir: Optional[str] = None, restart_failed_after: Optional[float] = None,
+                     max_restarts: int = 3, store: Optional[str] = None) -> LaunchEnv:
     """Initialise torch.distributed over this rank's replica only: its tensor_parallel x
     pipeline_parallel ranks (a world of one with tp = pp = 1). Call Megatron's
     `initialize_model_parallel(tensor_parallel, pipeline_parallel)` afterwards, as usual.
@@ -44,8 +44,10 @@ def init_distributed(backend: str = "gloo", tensor_parallel: int = 1, pipeline_p
     give-up is recorded in `log_dir`'s events_rank{R}.jsonl.
 
     Under mecefo-launch the job's store is the launcher's. Under another launcher (deepspeed,
-    torchrun) rank 0 makes the job's id and starts a store daemon on MASTER_ADDR:MASTER_PORT that
-    outlives every rank; the others read the id from it.
+    torchrun, srun, by hand) this process becomes the rank's keeper (elastic/keeper.py): it finds or
+    starts the job's store (`store`: HOST:PORT of a mecefo-store), runs the training in a child that
+    re-enters here as under mecefo-launch, restarts it `restart_failed_after` seconds after a crash
+    (at most `max_restarts` times; None: never), and exits with the job; it never returns.
     Returns the launch environment the runtime needs (with the job's id).
 
     Raises:
@@ -60,9 +62,10 @@ def init_distributed(backend: str = "gloo", tensor_parallel: int = 1, pipeline_p
     grid = replica_grid(env.world, tensor_parallel, pipeline_parallel)
     if backend == "nccl":
         prepare_nccl_error_handling()
-    if env.job_id is None and not env.mecefo_launcher and env.rank == 0 and env.incarnation == 0:
-        env = dataclasses.replace(env, job_id=job_store.new_job_id())
-        spawn_store_daemon(env.master_addr, env.master_port, env.job_id, watch_pid=os.getppid())
+    if not env.mecefo_launcher:
+        from megatron_mecefo.elastic.keeper import keep
+
+        keep(env, restart_failed_after=restart_failed_after, max_restarts=max_restarts, store=store)
     raw = job_store.client(env.master_addr, env.master_port, timedelta(seconds=300))
     info = job_store.read_job(raw, f"{env.master_addr}:{env.master_port}", env.job_id)
     env = dataclasses.replace(env, job_id=info["id"])

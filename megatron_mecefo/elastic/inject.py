@@ -17,11 +17,8 @@ for the first generation) of the named rank has asked to join, so a test or demo
 rejoin, or a fault during one, gets it on any machine, however long a process takes to start. The
 commit of that step admits the rank.
 
-Under a launcher that kills every rank when one exits non-zero (the `deepspeed` launcher), the
-injector is built with `soft=True`: "kill" ends the process at once with status 0 (`os._exit`, no
-cleanup: peers see the same closed connections as after a crash) and "hang" stops the heartbeat
-and blocks until the job has finished, then exits 0. Survivors recover exactly as from the real
-thing; the launcher leaves them running.
+A kill is a real SIGKILL and a hang a real SIGSTOP under every launcher: under one that is not
+mecefo-launch the rank's keeper (keeper.py) absorbs the crash as mecefo-launch does.
 """
 
 from __future__ import annotations
@@ -281,12 +278,10 @@ def parse_trace(trace, where: str = 'mecefo "trace"') -> dict:
 class FaultInjector:
     """Kill or hang this process at an exact (rank, step, phase)."""
 
-    def __init__(self, rank: int = 0, incarnation: int = 0, soft: bool = False) -> None:
+    def __init__(self, rank: int = 0, incarnation: int = 0) -> None:
         self.rank = rank
         self.incarnation = incarnation
-        self.soft = soft
         self.rules: List[dict] = []
-        self.on_soft_hang = None  # set by the runtime: stop heartbeats, wait for the job's end
         self.events = None  # an EventLog: the firing time is recorded before the signal
 
     def _add(self, kind: str, rank: int, step, phase: str, incarnation: int = 0) -> "FaultInjector":
@@ -316,8 +311,8 @@ class FaultInjector:
         return self._add("hang", rank, step, phase, incarnation)
 
     @classmethod
-    def from_rules(cls, rules: Iterable[Mapping], rank: int, incarnation: int = 0, soft: bool = False) -> "FaultInjector":
-        inj = cls(rank, incarnation, soft)
+    def from_rules(cls, rules: Iterable[Mapping], rank: int, incarnation: int = 0) -> "FaultInjector":
+        inj = cls(rank, incarnation)
         for r in rules:
             step = r["step"] if r["step"] == "*" else int(r["step"])
             inj._add(r["kind"], int(r["rank"]), step, r.get("phase", "backward"), int(r.get("incarnation", 0)))
@@ -339,8 +334,4 @@ class FaultInjector:
                 print(msg, file=sys.stderr, flush=True)
                 if self.events is not None:
                     self.events.write("inject", kind=rule["kind"], step=step, phase=phase)
-                if self.soft:
-                    if rule["kind"] == "hang" and self.on_soft_hang is not None:
-                        self.on_soft_hang()
-                    os._exit(0)
                 os.kill(os.getpid(), signal.SIGKILL if rule["kind"] == "kill" else signal.SIGSTOP)

@@ -37,43 +37,18 @@ code. A rank still stopped (SIGSTOP, a hang) once all others have ended is kille
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import signal
-import subprocess
 import sys
-import time
 from datetime import timedelta
-from typing import Optional
 
 from megatron_mecefo.elastic import store as job_store
-from megatron_mecefo.errors import GAVE_UP_EXIT_CODE, RETIRED_EXIT_CODE, USAGE_EXIT_CODE
+from megatron_mecefo.elastic.supervise import Rank, Supervisor
+from megatron_mecefo.errors import USAGE_EXIT_CODE
 
 __all__ = ["main"]
 
 logger = logging.getLogger("mecefo-launch")
-
-
-def _stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except OSError:
-        return False
-
-
-def _describe(code: int) -> str:
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-
-
-class _Rank:
-    def __init__(self, rank: int, local_rank: int):
-        self.rank, self.local_rank = rank, local_rank
-        self.proc: Optional[subprocess.Popen] = None
-        self.incarnation = 0
-        self.final: Optional[int] = None
-        self.restart_at: Optional[float] = None
 
 
 def parse_args(argv=None):
@@ -104,41 +79,6 @@ def parse_args(argv=None):
     return args
 
 
-def _die_with_parent(parent: int):
-    """preexec_fn: the rank gets SIGKILL when the launcher dies (Linux PR_SET_PDEATHSIG), so ranks
-    never outlive a killed launcher (whose store they need anyway)."""
-    def setup():
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-        except Exception:  # not Linux: the ranks end when their store connection breaks instead
-            return
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os._exit(1)
-    return setup
-
-
-def _job_outcome(client) -> Optional[dict]:
-    """The store's record of a give-up (`job/failed`), or None."""
-    try:
-        if client.check(["job/failed"]):
-            out = json.loads(client.get("job/failed"))
-            if client.check(["job/checkpoint"]):
-                out["checkpoint"] = json.loads(client.get("job/checkpoint"))
-            return out
-    except Exception as e:  # the store is unreachable: the local view decides
-        logger.info("could not read the job's outcome from the store: %s", e)
-    return None
-
-
-def _job_finished(client) -> bool:
-    try:
-        return bool(client.check(["job/finished"]))
-    except Exception:
-        return False
-
-
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="[mecefo-launch] %(message)s")
     args = parse_args(argv)
@@ -162,147 +102,21 @@ def main(argv=None) -> int:
     port = raw.port if args.node_rank == 0 and not args.external_store else args.master_port
     client = job_store.job_store(raw, job_id)
     logger.info("job %s: store on %s:%d", job_id, args.master_addr, port)
-    ranks = [_Rank(args.node_rank * args.nproc_per_node + i, i) for i in range(args.nproc_per_node)]
+    ranks = [Rank(args.node_rank * args.nproc_per_node + i, i) for i in range(args.nproc_per_node)]
     max_restarts = args.max_restarts if args.restart_failed_after is not None else 0
 
-    def report_exit(r: _Rank) -> None:
-        """Tell the survivors at once (membership reads `exited/{rank}`; a replica's rendezvous reads
-        `exited/{rank}/{incarnation}`, which is never cleared)."""
-        try:
-            client.set(f"exited/{r.rank}", "1")
-            client.set(f"exited/{r.rank}/{r.incarnation}", "1")
-        except Exception as e:
-            logger.info("could not record the exit of rank %d in the store: %s", r.rank, e)
-
-    def spawn(r: _Rank) -> None:
-        env = dict(
+    def env_for(r: Rank) -> dict:
+        return dict(
             os.environ, RANK=str(r.rank), LOCAL_RANK=str(r.local_rank), WORLD_SIZE=str(world),
             LOCAL_WORLD_SIZE=str(args.nproc_per_node), MASTER_ADDR=args.master_addr, MASTER_PORT=str(port),
             TORCHELASTIC_USE_AGENT_STORE="1", MECEFO_INCARNATION=str(r.incarnation), MECEFO_LAUNCHER="1",
             MECEFO_JOB_ID=job_id, MECEFO_MAX_RESTARTS=str(max_restarts),
         )
-        r.proc = subprocess.Popen([sys.executable, "-u", args.script, *args.script_args], env=env,
-                                  preexec_fn=_die_with_parent(os.getpid()))
-        logger.info("rank %d started (pid %d, incarnation %d)", r.rank, r.proc.pid, r.incarnation)
 
-    # Why the job ends early, if it does: ("signal", signum) from a scheduler's SIGTERM / SIGINT,
-    # ("gave_up", None) when a rank gave up (exit 3 or job/failed), ("no_rank", None) when no rank
-    # of this single-node job is left running to restart into, ("usage", None) when a rank found
-    # bad input (exit 2).
-    ending: list = []
-    end_deadline = [None]
-
-    def terminate_all(why: tuple) -> None:
-        """End the job now: no restarts, SIGTERM to every running rank (SIGKILL to stopped ones)."""
-        ending[:] = [why]
-        end_deadline[0] = time.monotonic() + args.term_grace
-        for r in ranks:
-            r.restart_at = None
-            if r.proc is not None and r.proc.poll() is None:
-                if _stopped(r.proc.pid):
-                    r.proc.kill()
-                else:
-                    r.proc.send_signal(signal.SIGTERM)
-
-    def on_signal(signum, _frame):
-        if not ending or ending[0][0] != "signal":
-            logger.info("received %s: ending every rank, no restarts", signal.Signals(signum).name)
-            terminate_all(("signal", signum))
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    for r in ranks:
-        spawn(r)
-    first_error: Optional[int] = None
-    ok_exits = 0
-    while True:
-        now = time.monotonic()
-        if not ending and _job_outcome(client) is not None:
-            ending[:] = [("gave_up", None)]
-        if ending and end_deadline[0] is None:
-            end_deadline[0] = now + (args.give_up_grace if ending[0][0] == "gave_up" else args.term_grace)
-        for r in ranks:
-            if r.proc is None:
-                if ending or _job_finished(client):
-                    r.restart_at = None
-                if r.restart_at is not None and now >= r.restart_at:
-                    r.restart_at = None
-                    r.incarnation += 1
-                    spawn(r)
-                continue
-            code = r.proc.poll()
-            if code is None:
-                if ending and _stopped(r.proc.pid):  # a hung rank cannot end on its own
-                    logger.info("rank %d is stopped (hung) and the job is ending: killing it", r.rank)
-                    r.proc.kill()
-                continue
-            logger.info("rank %d (pid %d) ended: %s", r.rank, r.proc.pid, _describe(code))
-            r.proc, r.final = None, code
-            if code != 0:
-                report_exit(r)
-            if code == 0:
-                ok_exits += 1
-                continue
-            if code == GAVE_UP_EXIT_CODE and not ending:
-                ending[:] = [("gave_up", None)]
-            if code == USAGE_EXIT_CODE and not ending:
-                logger.info("rank %d found bad input (exit 2): ending the job, no restarts", r.rank)
-                terminate_all(("usage", None))
-            if code > 0 and code != RETIRED_EXIT_CODE and first_error is None:  # a retired rank is no error
-                first_error = code
-            others_running = any(o.proc is not None and o.proc.poll() is None and not _stopped(o.proc.pid)
-                                 for o in ranks if o is not r)
-            if ending:
-                continue
-            if args.restart_failed_after is not None and r.incarnation < args.max_restarts:
-                if others_running or args.nnodes > 1:
-                    r.restart_at = now + args.restart_failed_after
-                    logger.info("rank %d will restart in %.1f s", r.rank, args.restart_failed_after)
-                else:
-                    logger.info("rank %d is not restarted: no rank of the job is left running to rejoin", r.rank)
-        live = [r for r in ranks if r.proc is not None]
-        # every rank crashed or hangs (and none failed on its own: that error is reported as it is)
-        if not ending and args.nnodes == 1 and first_error is None and not any(not _stopped(r.proc.pid) for r in live) \
-                and (live or any((r.final or 0) < 0 for r in ranks)) and not _job_finished(client):
-            ending[:] = [("no_rank", None)]
-            logger.info("no rank of the job is left running: pending restarts are cancelled")
-            try:
-                client.compare_set("job/failed", "", json.dumps(
-                    {"reason": "no rank of the job is left running (every rank holding the state failed)"}))
-            except Exception as e:
-                logger.info("could not record the outcome in the store: %s", e)
-            for r in ranks:
-                r.restart_at = None
-        if live and all(_stopped(r.proc.pid) for r in live) and not any(r.restart_at for r in ranks):
-            for r in live:
-                logger.info("rank %d is stopped (hung) and all others ended: killing it", r.rank)
-                r.proc.kill()
-                r.proc.wait()
-                r.proc, r.final = None, -signal.SIGKILL
-                report_exit(r)
-        if ending and end_deadline[0] is not None and now > end_deadline[0]:
-            for r in live:
-                if r.proc.poll() is None:
-                    logger.info("rank %d did not end within the grace period: killing it", r.rank)
-                    r.proc.kill()
-            end_deadline[0] = now + 5.0
-        if not any(r.proc is not None or r.restart_at is not None for r in ranks):
-            break
-        time.sleep(0.1)
-    if ending and ending[0][0] == "signal":
-        return 128 + ending[0][1]
-    if ending and ending[0][0] == "usage":
-        return USAGE_EXIT_CODE
-    outcome = _job_outcome(client)
-    if outcome is not None or (ending and ending[0][0] in ("gave_up", "no_rank")):
-        reason = (outcome or {}).get("reason", "a rank exited with status 3")
-        ckpt = (outcome or {}).get("checkpoint")
-        where = (f"checkpoint of step {ckpt['step']} at {ckpt['path']}" if ckpt else "no checkpoint was written")
-        logger.error("the job gave up: %s; %s", reason, where)
-        return GAVE_UP_EXIT_CODE
-    if first_error is not None:
-        return first_error
-    return 0 if ok_exits else 1
+    return Supervisor(ranks, [sys.executable, "-u", args.script, *args.script_args], env_for, client,
+                      restart_failed_after=args.restart_failed_after, max_restarts=args.max_restarts,
+                      give_up_grace=args.give_up_grace, term_grace=args.term_grace, whole_job=args.nnodes == 1,
+                      logger=logger).run()
 
 
 if __name__ == "__main__":

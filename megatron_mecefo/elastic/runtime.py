@@ -94,8 +94,6 @@ class ElasticRuntime:
         incarnation: 0 for the first start; > 0 for a restarted rank (it rejoins).
         fold_policy: (plan, k, approximate=, skip_attention=) -> Fold.
         backend: "gloo" (tested) or "nccl" (untested here).
-        soft_failures: injected failures exit with status 0 (for launchers that kill every rank
-            when one fails; see inject.py).
         state: (get, set) of the training state a rejoining rank receives (model, optimizer,
             scheduler, counters; `step.training_state`); None: nothing but the step.
         save_checkpoint: () -> path: writes a checkpoint of the last committed step when the job
@@ -123,7 +121,6 @@ class ElasticRuntime:
         fold_policy: FoldPolicy = fold_neighbor,
         injector: Optional[FaultInjector] = None,
         backend: str = "gloo",
-        soft_failures: bool = False,
         state: Optional[tuple] = None,
         save_checkpoint: Optional[Callable[[], str]] = None,
         train_iters: Optional[int] = None,
@@ -140,9 +137,8 @@ class ElasticRuntime:
         self.k = micro_batches
         self.incarnation = incarnation
         self.fold_policy = fold_policy
-        self.injector = injector or FaultInjector.from_rules(config.inject, rank, incarnation, soft=soft_failures)
+        self.injector = injector or FaultInjector.from_rules(config.inject, rank, incarnation)
         self.trace = []  # TraceEvents of the job (config.trace)
-        self.injector.on_soft_hang = self._soft_hang
         self.backend = backend
         self._timeout = timedelta(seconds=config.collective_timeout_s)
         timeout = timedelta(seconds=config.agree_timeout_s)
@@ -190,12 +186,11 @@ class ElasticRuntime:
     def for_job(cls, config: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: int, pipeline_parallel: int,
                 micro_batches: int, backend: str = "gloo", **collaborators: Any) -> "ElasticRuntime":
         """The runtime of this rank of `job` (from `bootstrap.init_distributed`): its rank, world,
-        store, job id, restarts and incarnation; injected failures exit softly (status 0) under
-        launchers other than mecefo-launch. `collaborators`: state, save_checkpoint, train_iters."""
+        store, job id, restarts and incarnation. `collaborators`: state, save_checkpoint, train_iters."""
         return cls(config, rank=job.rank, world=job.world, tensor_parallel=tensor_parallel,
                    pipeline_parallel=pipeline_parallel, store_host=job.master_addr, store_port=job.master_port,
                    job_id=job.job_id, max_restarts=job.max_restarts, micro_batches=micro_batches,
-                   incarnation=job.incarnation, soft_failures=not job.mecefo_launcher, backend=backend,
+                   incarnation=job.incarnation, backend=backend,
                    **collaborators)
 
     def _lay_out_trace(self, total_steps: Optional[int]) -> None:
@@ -261,13 +256,6 @@ class ElasticRuntime:
         self.events.write("rejoined", generation=self.generation, step=self.step, wait_s=time.monotonic() - t0)
         self.log.info("rejoined at step %d", self.step)
         return self.step
-
-    def _soft_hang(self) -> None:
-        """An injected hang under a foreign launcher: go silent until the job ends."""
-        self.membership.stop()
-        deadline = time.monotonic() + self.cfg.join_timeout_s
-        while not self.store.check(["job/finished"]) and time.monotonic() < deadline:
-            time.sleep(0.5)
 
     def close(self, finished: bool = True) -> None:
         """Leave the job. `finished`: training is complete, so ranks still waiting to rejoin stop."""
@@ -515,7 +503,7 @@ class ElasticRuntime:
                f"{members}): its replica is out of the job; leaving so the launcher restarts it")
         print(msg, file=sys.stderr, flush=True)
         self.events.write("retired", generation=generation, members=members)
-        os._exit(0 if self.injector.soft else RETIRED_EXIT_CODE)
+        os._exit(RETIRED_EXIT_CODE)
 
     def _approximations_on(self) -> bool:
         c = self.cfg

@@ -99,7 +99,8 @@ def init_replica(state: State, cfg, *, backend: str, tensor_parallel: int, data_
 
     state.job = init_distributed(backend, tensor_parallel, 1, timeout_s=cfg.collective_timeout_s,
                                  join_timeout_s=cfg.join_timeout_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                                 log_dir=cfg.log_dir)
+                                 log_dir=cfg.log_dir, restart_failed_after=cfg.restart_failed_after,
+                                 max_restarts=cfg.max_restarts, store=cfg.store)
     state.cfg, state.dp = cfg, data_parallel
 
 
@@ -161,7 +162,7 @@ def run_job(pretrain: Callable, *, mecefo_launcher: Callable[[], bool], close: C
     (errors.run_to_exit: 3 gave up, 4 left the job and is restarted, 2 bad input)."""
     from megatron_mecefo.errors import run_to_exit
 
-    return run_to_exit(pretrain, usage=(UsageError,), under_mecefo_launch=mecefo_launcher, close=close)
+    return run_to_exit(pretrain, usage=(UsageError,), close=close)
 
 
 def one_replica_at_a_time(original: Callable, active: Callable[[], bool], lock_dir: Callable[[], str]) -> Callable:

@@ -149,8 +149,9 @@ def test_bad_layouts_stop_before_training(tmp_path, nproc, extra, message):
 
 def test_tensor_parallel_under_the_deepspeed_launcher(tmp_path):
     """`deepspeed --num_gpus 4 pretrain_gpt.py --tensor-model-parallel-size 2 --mecefo`: rank 2 killed
-    at step 3 (an injected failure exits 0 there, and so does its mate leaving with the replica):
-    replica 0 finishes every step on the whole global batch."""
+    at step 3 (a real SIGKILL: its keeper absorbs it; its mate leaves with the replica, exit 4, and
+    its keeper too): replica 0 finishes every step on the whole global batch and every process
+    the launcher started exits 0."""
     import socket
     from pathlib import Path
 

@@ -124,8 +124,9 @@ def test_zero_stage_and_fp16_refused_before_training():
 
 @pytest.mark.fault
 def test_under_the_deepspeed_launcher(tmp_path):
-    """`deepspeed` kills every rank when one exits non-zero: the injected kill exits 0 there, the
-    store lives in a daemon started by rank 0, and the survivors carry on."""
+    """`deepspeed` kills every rank when one exits non-zero: each rank's keeper absorbs the injected
+    kill (a real SIGKILL), the store lives in a daemon started by rank 0's keeper, and the survivors
+    carry on."""
     import socket
 
     with socket.socket() as s:

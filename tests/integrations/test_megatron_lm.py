@@ -52,6 +52,27 @@ def test_kill_is_absorbed_exactly_with_approximations_off(mlm_checkout, tmp_path
 
 
 @pytest.mark.fault
+def test_torchrun_survives_a_killed_rank_which_rejoins(mlm_checkout, tmp_path):
+    """The user's own `torchrun --nproc-per-node 3 pretrain_gpt.py ... --mecefo
+    --mecefo-restart-failed-after 1`: rank 1's training process is SIGKILLed at step 4 (under a
+    keeper an injected kill is a real SIGKILL). torchrun's agent would restart every worker; the
+    keeper records the crash, restarts the process and rank 1 rejoins; every step ran the whole
+    global batch and the replicas stayed identical."""
+    iters, log_dir = 20, tmp_path / "log"
+    out = mlm.torchrun(mlm_checkout, 3, mlm.args(dp=3, iters=iters, extra=[
+        "--eval-interval", "1000", "--log-interval", "5", "--mecefo", "--mecefo-rank", "16", "--mecefo-log-dir",
+        str(log_dir), "--mecefo-log-param-hash", "--mecefo-restart-failed-after", "1",
+        "--mecefo-inject", "kill:1:4", "--mecefo-inject", "hold:1:10"]), timeout=300)
+    assert out.returncode == 0, out.stdout[-6000:]
+    assert "[mecefo-keeper rank 1] rank 1 (pid" in out.stdout and "killed by SIGKILL" in out.stdout
+    assert "rank 1 started (pid" in out.stdout and "incarnation 1" in out.stdout
+    events = [json.loads(line) for line in (log_dir / "events_rank1.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "rejoined"] == [11]
+    mds.check_whole_and_identical(log_dir, dp=3, k=2, iters=iters)
+    assert mds.consumed(out.stdout)[iters] == iters * 6
+
+
+@pytest.mark.fault
 def test_kill_and_rejoin_with_approximations(mlm_checkout, tmp_path):
     """3 replicas; rank 1 is SIGKILLed at step 4 and restarted a second later: its neighbour covers
     with the MeCeFO backward, the restarted rank receives the live state (model, optimizer,
