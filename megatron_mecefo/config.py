@@ -317,6 +317,20 @@ class MeCeFOConfig:
         why = " (micro-batches run one at a time)" if self.recompute_ffn == "auto" and live_microbatches == 1 else ""
         return f"recompute_ffn={self.recompute_ffn} -> {'on' if on else 'off'}{why}"
 
+    def check_ds_config(self, ds_config: Mapping[str, Any]) -> None:
+        """Reject DeepSpeed settings MeCeFO cannot run with, before training starts (plain training,
+        `enable` off, is left alone)."""
+        if not self.enable:
+            return
+        stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+        if stage:
+            raise ValueError(
+                f'ds_config "zero_optimization.stage"={stage} is not supported with MeCeFO (--mecefo): ZeRO shards '
+                "optimizer state over data-parallel ranks, so a failed rank would take its shard with it. Use stage 0."
+            )
+        if ds_config.get("fp16", {}).get("enabled"):
+            raise ValueError('ds_config "fp16" is not supported with MeCeFO yet; use "bf16" or fp32')
+
     def restarts(self, env: LaunchEnv) -> int:
         """How often a failed rank of this job is restarted: mecefo-launch's budget under it, else
         the keeper's (max_restarts, with restart_failed_after)."""

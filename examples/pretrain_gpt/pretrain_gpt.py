@@ -36,9 +36,7 @@ from megatron_mecefo.errors import run_to_exit
 
 
 def parse_args(argv=None):
-    import deepspeed
-
-    from megatron_mecefo.data.tokenizer import TOKENIZERS
+    from megatron_mecefo.data import TOKENIZERS
 
     p = argparse.ArgumentParser(description="GPT pretraining with MeCeFO")
     a = p.add_argument
@@ -67,7 +65,11 @@ def parse_args(argv=None):
     a("--tensor-model-parallel-size", type=int, default=1); a("--pipeline-model-parallel-size", type=int, default=1)
     a("--sequence-parallel", action="store_true", help="Megatron's sequence parallelism (needs --tensor-model-parallel-size > 1)")
     a("--local_rank", "--local-rank", type=int, default=0)
-    deepspeed.add_config_arguments(p)
+    # DeepSpeed's own two flags (what deepspeed.add_config_arguments adds), declared here so that bad
+    # input ends before `import deepspeed` and Megatron-Core (seconds per rank)
+    g = p.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    g.add_argument("--deepspeed", action="store_true", help="Enable DeepSpeed (helper flag for user code)")
+    g.add_argument("--deepspeed_config", default=None, help="DeepSpeed json configuration file.")
     MeCeFOConfig.add_cli_args(p)
     args = p.parse_args(argv)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
@@ -224,18 +226,7 @@ def save_checkpoint(engine, args, iteration, quiet=False):
 def main(argv=None):
     args = parse_args(argv)
     mecefo = MeCeFOConfig.from_args(args, read_ds_config(args).get("mecefo"))  # validated before anything starts
-    from megatron_mecefo.data.tokenizer import build_tokenizer
-
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
-    if args.tokenizer_type == "ByteTokenizer" and args.vocab_size is not None:
-        raise ValueError("--vocab-size is for --tokenizer-type NullTokenizer (the ByteTokenizer has 258 ids)")
-    if args.data_path is None and args.tokenizer_type != "ByteTokenizer":
-        raise ValueError("--tokenizer-type NullTokenizer needs --data-path (the built-in corpus is byte tokens)")
     from megatron_mecefo.config import LaunchEnv, cache_root
-    from megatron_mecefo.data.corpus import stdlib_corpus
-    from megatron_mecefo.data.gpt import build_gpt_datasets, collate
-    from megatron_mecefo.elastic.fold import sample_range
-    from megatron_mecefo.layers.model import init_model_parallel
 
     env = LaunchEnv.read()
     dp = check_layout(args, env.world)
@@ -243,15 +234,30 @@ def main(argv=None):
     sharded = tp * pp > 1
     ds_config = ds_config_for(args, dp)
     if mecefo.enable:
-        from megatron_mecefo.deepspeed_hook import check_ds_config, init_distributed
         from megatron_mecefo.elastic.inject import check_rules, job_trace
 
-        check_ds_config(ds_config, mecefo)
+        mecefo.check_ds_config(ds_config)
         check_rules(mecefo.inject, env.world)  # bad failure rules end here, before any data or model is built
         if mecefo.trace is not None:
             if sharded:
                 raise ValueError('mecefo "trace" needs tensor and pipeline parallel size 1 (use --mecefo-inject)')
             job_trace(mecefo.trace, env.world, args.train_iters, mecefo.restarts(env))
+    # the checks above import neither DeepSpeed nor Megatron-Core: bad input ends in about a second
+    from megatron_mecefo.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    if args.tokenizer_type == "ByteTokenizer" and args.vocab_size is not None:
+        raise ValueError("--vocab-size is for --tokenizer-type NullTokenizer (the ByteTokenizer has 258 ids)")
+    if args.data_path is None and args.tokenizer_type != "ByteTokenizer":
+        raise ValueError("--tokenizer-type NullTokenizer needs --data-path (the built-in corpus is byte tokens)")
+    from megatron_mecefo.data.corpus import stdlib_corpus
+    from megatron_mecefo.data.gpt import build_gpt_datasets, collate
+    from megatron_mecefo.elastic.fold import sample_range
+    from megatron_mecefo.layers.model import init_model_parallel
+
+    if mecefo.enable:
+        from megatron_mecefo.deepspeed_hook import init_distributed
+
         init_distributed(tensor_parallel=tp, pipeline_parallel=pp, timeout_s=mecefo.collective_timeout_s,
                          join_timeout_s=mecefo.join_timeout_s, heartbeat_timeout_s=mecefo.heartbeat_timeout_s,
                          log_dir=mecefo.log_dir, restart_failed_after=mecefo.restart_failed_after,

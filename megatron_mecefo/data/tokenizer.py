@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer as MegatronTokenizer
 
+from megatron_mecefo.data import TOKENIZERS
+
 __all__ = ["ByteTokenizer", "NullTokenizer", "TOKENIZERS", "build_tokenizer"]
 
 
@@ -79,8 +81,6 @@ class NullTokenizer(MegatronTokenizer):
     def eod(self) -> int:
         return self._size
 
-
-TOKENIZERS = ("ByteTokenizer", "NullTokenizer")
 
 
 def build_tokenizer(tokenizer_type: str = "ByteTokenizer", vocab_size=None) -> MegatronTokenizer:

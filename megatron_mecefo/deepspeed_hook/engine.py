@@ -48,7 +48,7 @@ from megatron_mecefo.elastic.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver, training_state
 
-__all__ = ["initialize", "attach_runtime", "MeCeFOEngine", "init_distributed", "check_ds_config", "param_digest", "save_checkpoint",
+__all__ = ["initialize", "attach_runtime", "MeCeFOEngine", "init_distributed", "param_digest", "save_checkpoint",
            "load_checkpoint"]
 
 logger = logging.getLogger(__name__)
@@ -60,20 +60,6 @@ def skip_cpu_shm_build() -> None:
     import deepspeed
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-def check_ds_config(ds_config: Dict[str, Any], cfg: MeCeFOConfig) -> None:
-    """Reject DeepSpeed settings MeCeFO cannot run with, before training starts."""
-    if not cfg.enable:
-        return
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if stage:
-        raise ValueError(
-            f'ds_config "zero_optimization.stage"={stage} is not supported with MeCeFO (--mecefo): ZeRO shards '
-            "optimizer state over data-parallel ranks, so a failed rank would take its shard with it. Use stage 0."
-        )
-    if ds_config.get("fp16", {}).get("enabled"):
-        raise ValueError('ds_config "fp16" is not supported with MeCeFO yet; use "bf16" or fp32')
 
 
 def replica_ds_config(ds_config: Dict[str, Any], world: int) -> tuple:
@@ -245,7 +231,7 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
 
     cfg = mecefo or (MeCeFOConfig.from_args(args, config.get("mecefo")) if args is not None
                      else MeCeFOConfig.from_ds_config(config.get("mecefo")))
-    check_ds_config(config, cfg)
+    cfg.check_ds_config(config)
     if cfg.enable and cfg.lowrank_ffn:
         from megatron_mecefo.layers.linear import check_lowrank_rank
 

@@ -173,20 +173,22 @@ def test_tensor_parallel_under_the_deepspeed_launcher(tmp_path):
 
 def test_two_launchers_lose_a_node_holding_a_whole_replica(tmp_path):
     """A head-node store (`mecefo-store`) and two launchers over loopback, T=2: node 0 holds replica 0
-    (ranks 0, 1), node 1 replica 1 (ranks 2, 3). Node 1's launcher is SIGKILLed mid-run with its
-    ranks: replica 0 covers replica 1 and finishes every step on the whole global batch. (The job
-    cannot end before it notices: every step's reduction needs replica 1 until it is presumed lost.)"""
+    (ranks 0, 1: the lowest rank, which decides commits, and the lead that prints), node 1 replica 1
+    (ranks 2, 3). Node 0's launcher is SIGKILLed mid-run: its ranks die with it (PR_SET_PDEATHSIG),
+    the store lives on, and replica 1 covers replica 0, finishes every step on the whole global batch
+    and prints the rest of the record. (The job cannot end before it notices: every step's reduction
+    needs replica 0 until it is presumed lost.)"""
     steps = 40
-    store, node0 = two_nodes_lose_one(
+    store, node1 = two_nodes_lose_one(
         tmp_path, [ROOT / "examples/pretrain_gpt/pretrain_gpt.py", "--deepspeed_config",
                    ROOT / "examples/pretrain_gpt/ds_config.json", *MODEL, "--tensor-model-parallel-size", "2",
                    "--global-batch-size", "8", "--train-iters", steps, "--eval-interval", steps, "--log-interval", "10",
-                   "--mecefo", "--mecefo-log-dir", tmp_path, "--mecefo-log-param-hash"], victim_node=1, start_s=180,
+                   "--mecefo", "--mecefo-log-dir", tmp_path, "--mecefo-log-param-hash"], victim_node=0, start_s=180,
         finish_s=240)
-    out, err = node0.stdout, node0.stderr
-    assert node0.returncode == 0, out[-2000:] + err[-3000:]
+    out, err = node1.stdout, node1.stderr
+    assert node1.returncode == 0, out[-2000:] + err[-3000:]
     schedule = Schedule(0, 4, steps, (), None, tp=2)
     outcome, bad = chaos.check_run(chaos.RunResult(0, 0.0, out, err), tmp_path, schedule, k=2, bound_s=1e9)
     assert not bad and outcome == "finished", "\n".join(bad)
-    assert "cover 1->0" in out and f"validation loss at iteration {steps}" in out
+    assert "cover 0->1" in out and f"validation loss at iteration {steps}" in out
     assert store.wait(timeout=30) == 0, "the store ends with its job"

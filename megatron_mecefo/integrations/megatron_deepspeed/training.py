@@ -57,7 +57,6 @@ def read_ds_config(args) -> Dict[str, Any]:
 
 def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, world: int) -> None:
     """Refuse, before anything starts, what MeCeFO cannot run in Megatron-DeepSpeed (ValueError)."""
-    from megatron_mecefo.deepspeed_hook.engine import check_ds_config
     from megatron_mecefo.elastic.inject import check_rules
 
     refuse([
@@ -77,7 +76,7 @@ def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, world: int) -
         ("compression_training" in ds_config, '--mecefo does not support ds_config "compression_training"'),
         (getattr(args, "transformer_impl", "local") != "local", "--mecefo supports --transformer-impl local only"),
     ] + shared_refusals(args))
-    check_ds_config(ds_config, cfg)
+    cfg.check_ds_config(ds_config)
     check_rules(cfg.inject, world)
 
 
