@@ -54,8 +54,8 @@ def parse():
     p.add_argument("--reference", action="store_true")
     p.add_argument("--world", type=int, default=None)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of fake compute per micro-batch")
-    p.add_argument("--late-rank", type=int, default=-1, help="this rank starts --late-by seconds late")
-    p.add_argument("--late-by", type=float, default=0.0)
+    p.add_argument("--late-rank", type=int, default=-1,
+                   help="this rank starts once the others have agreed on generation 0 without it (a late starter)")
     p.add_argument("--skip-micro-batch", default=None, metavar="RANK:STEP",
                    help="a buggy loop: this rank leaves out its last micro-batch at this step")
     MeCeFOConfig.add_cli_args(p)
@@ -78,6 +78,19 @@ def reference(args):
     torch.save({"params": [p.detach() for p in model.parameters()], "opt": opt.state_dict()}, args.out / "reference.pt")
 
 
+def wait_for_generation_0(env) -> None:
+    """Block until the job's first generation has been agreed (without this rank): a late starter
+    keyed to the event, not to a delay that a slow machine could outlast."""
+    from datetime import timedelta
+
+    from megatron_mecefo.elastic import store
+
+    raw = store.client(env.master_addr, env.master_port, timedelta(seconds=300))
+    job = store.job_store(raw, store.read_job(raw, f"{env.master_addr}:{env.master_port}", env.job_id)["id"])
+    while not job.check(["gen0/plan"]):
+        time.sleep(0.05)
+
+
 def main():
     args = parse()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -90,7 +103,7 @@ def main():
     env = LaunchEnv.read()
     rank, world = env.rank, env.world
     if rank == args.late_rank:
-        time.sleep(args.late_by)
+        wait_for_generation_0(env)
     cfg = MeCeFOConfig.from_args(args, {"log_dir": str(args.out)})
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)

@@ -197,8 +197,8 @@ def test_trace_driven_failures_and_rejoins(tmp_path):
 
 
 def test_a_late_starter_joins_instead_of_blocking_the_start(tmp_path, references):
-    # rank 2 starts after the agreement deadline of generation 0: the others start without it
-    proc, _ = launch(tmp_path, 3, "--late-rank", "2", "--late-by", "7", "--mecefo-agree-timeout-s", "5",
+    # rank 2 starts once the others have agreed on generation 0 without it (its deadline passed)
+    proc, _ = launch(tmp_path, 3, "--late-rank", "2", "--mecefo-agree-timeout-s", "5",
                      "--mecefo-inject", "hold:2:5:0")  # the job waits for it at step 5 (incarnation 0: a late starter)
     records = check_run(tmp_path, 3, [0, 1, 2], references[3], proc)
     assert sorted(r["rank"] for r in records[0]) == [0, 1]
