@@ -38,7 +38,7 @@ from megatron_mecefo.elastic.topology import CoverMap, Grid, ring_cover
 from megatron_mecefo.log import read_jsonl
 from megatron_mecefo.errors import NoCoverAvailable
 
-__all__ = ["Fault", "Schedule", "random_schedule", "run_schedule", "check_run", "time_bound", "RunResult"]
+__all__ = ["Fault", "Schedule", "random_schedule", "run_schedule", "check_run", "check_steps", "time_bound", "RunResult"]
 
 _TRAIN_PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "admit")
 _REJOIN_PHASES = ("join", "transfer", "forward", "allreduce")
@@ -176,9 +176,10 @@ def events(log_dir: Path, world: int, name: str) -> List[dict]:
     return [e for r in range(world) for e in read_jsonl(log_dir / f"events_rank{r}.jsonl") if e["event"] == name]
 
 
-def _check_steps(records: Dict[int, List[dict]], grid: Grid, k: int, last: int) -> List[str]:
-    """Every rank logs its step; each (tp, pp) position's ranks must together have run the global
-    batch once, and hold bit-identical shards."""
+def check_steps(records: Dict[int, List[dict]], grid: Grid, k: int, last: int) -> List[str]:
+    """The violations in the step records (`step_records`) of a run that committed steps
+    0..last-1: each step committed by one generation, each (tp, pp) position's ranks together ran
+    the global batch exactly once, and held bit-identical shards at its start."""
     bad = []
     if sorted(records) != list(range(last)):
         bad.append(f"committed steps are not 0..{last - 1}: missing {sorted(set(range(last)) - set(records))[:10]}, "
@@ -244,12 +245,12 @@ def check_run(result: RunResult, log_dir: Path, schedule: Schedule, *, k: int, b
         bad.append(f"took {result.elapsed_s:.0f} s, over the bound of {bound_s:.0f} s")
     records = step_records(log_dir, world)
     if result.returncode == 0:
-        bad += _check_steps(records, grid, k, schedule.steps)
+        bad += check_steps(records, grid, k, schedule.steps)
         return ("finished" if not bad else "failed"), bad
     if result.returncode != 3:
         return "failed", bad + [f"launcher exit status {result.returncode} (expected 0, or 3 for a clean give-up)"]
     last = max(records) + 1 if records else 0
-    bad += _check_steps(records, grid, k, last)
+    bad += check_steps(records, grid, k, last)
     gave_up = events(log_dir, world, "gave_up")
     roots = [e for e in gave_up if e["kind"] != "JobAborted"]
     if not roots and "no rank of the job is left running" not in result.stderr:
