@@ -18,8 +18,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--mecefo-agree-timeout-s", "20", "--mecefo-log-param-hash"]
 
 
-def launch(tmp_path, launcher_args, *args, timeout=420):
-    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", "4", "--master-port", "0",
+def launch(tmp_path, launcher_args, *args, nproc=4, timeout=420):
+    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(nproc), "--master-port", "0",
            *launcher_args, str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"),
            "--deepspeed_config", str(ROOT / "examples/pretrain_gpt/ds_config.json"), *MODEL,
            "--mecefo-log-dir", str(tmp_path), *args]
@@ -66,7 +66,8 @@ def test_restarted_rank_caught_in_a_recovery(tmp_path):
 def test_last_survivor_gives_up_with_a_checkpoint_that_resumes(tmp_path):
     """Rank 3 hangs, ranks 0 and 1 are killed: rank 2 alone cannot cover three replicas. It writes a
     DeepSpeed checkpoint of the last committed step to --save and every rank exits 3; the launcher
-    restarts nobody and exits 3 naming the reason. `--load` resumes from there."""
+    restarts nobody and exits 3 naming the reason. `--load` resumes from there on one rank (the
+    same global batch in 8 micro-batches per step instead of 2)."""
     save = tmp_path / "ckpt"
     faults = (Fault("hang", 3, 10, "backward"), Fault("kill", 0, 15, "forward"), Fault("kill", 1, 20, "backward"))
     schedule = Schedule(0, 4, 30, faults, None)
@@ -81,7 +82,7 @@ def test_last_survivor_gives_up_with_a_checkpoint_that_resumes(tmp_path):
     assert "will restart" not in proc.stderr
     assert (save / "latest").read_text() == "global_step20"
     resumed = launch(tmp_path / "resume", [], "--train-iters", "25", "--eval-interval", "25", "--log-interval", "1",
-                     "--load", str(save))
+                     "--load", str(save), nproc=1)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert iterations(resumed.stdout) == [21, 22, 23, 24, 25]
 
