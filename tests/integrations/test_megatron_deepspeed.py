@@ -101,7 +101,8 @@ def test_tensor_parallel_replica_retires_and_is_covered(mds_checkout, tmp_path):
 def test_give_up_writes_upstream_checkpoint_and_load_resumes(mds_checkout, tmp_path):
     """3 replicas, no restarts: rank 1 dies at step 3 (rank 2 covers it), rank 2 at step 6, and
     rank 0 cannot cover both: the job gives up (exit 3) after rank 0 wrote upstream's checkpoint of
-    the last committed step. `--load` then resumes there: iteration, consumed samples, the loss."""
+    the last committed step. `--load` then resumes there on the one replica left (the same global
+    batch in 6 micro-batches per step instead of 2): iteration, consumed samples, the scheduler."""
     root, data = mds_checkout
     ckpt = tmp_path / "ckpt"
     common = ["--save", str(ckpt), "--save-interval", "1000", "--mecefo", "--mecefo-rank", "16"]
@@ -112,7 +113,7 @@ def test_give_up_writes_upstream_checkpoint_and_load_resumes(mds_checkout, tmp_p
     assert (ckpt / "latest").read_text().strip() == "global_step6", out.stdout[-6000:]
     before = mds.losses(out.stdout)
     assert sorted(before) == list(range(1, 7))
-    resumed = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds.json", dp=3, iters=10,
+    resumed = mds.mecefo_launch(root, 1, mds.args(data, tmp_path / "ds.json", dp=1, micro_batches=6, iters=10,
                                                   extra=common + ["--load", str(ckpt)]))
     assert resumed.returncode == 0, resumed.stdout[-6000:]
     after = mds.losses(resumed.stdout)

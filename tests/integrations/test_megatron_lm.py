@@ -122,7 +122,8 @@ def test_tensor_parallel_replica_retires_and_is_covered(mlm_checkout, tmp_path):
 def test_give_up_writes_upstream_checkpoint_and_load_resumes(mlm_checkout, tmp_path):
     """3 replicas, no restarts: rank 1 dies at step 3 (rank 2 covers it), rank 2 at step 6, and
     rank 0 cannot cover both: the job gives up (exit 3) after rank 0 wrote upstream's checkpoint of
-    the last committed step. `--load` then resumes there: iteration, consumed samples, the LR."""
+    the last committed step. `--load` then resumes there on the one replica left (the same global
+    batch in 6 micro-batches per step instead of 2): iteration, consumed samples, the LR."""
     ckpt = tmp_path / "ckpt"
     common = ["--save", str(ckpt), "--save-interval", "1000", "--mecefo", "--mecefo-rank", "16"]
     out = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, extra=common + [
@@ -131,7 +132,7 @@ def test_give_up_writes_upstream_checkpoint_and_load_resumes(mlm_checkout, tmp_p
     assert "cannot continue" in out.stdout and "checkpoint of the last committed step written to" in out.stdout
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "6", out.stdout[-6000:]
     assert sorted(mds.losses(out.stdout)) == list(range(1, 7))
-    resumed = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, extra=common + ["--load", str(ckpt)]))
+    resumed = mlm.mecefo_launch(mlm_checkout, 1, mlm.args(dp=1, micro_batches=6, extra=common + ["--load", str(ckpt)]))
     assert resumed.returncode == 0, resumed.stdout[-6000:]
     assert sorted(mds.losses(resumed.stdout)) == list(range(7, 11))  # upstream's iteration came back
     assert mds.consumed(resumed.stdout)[7] == 7 * 6  # so did the consumed-sample counter
