@@ -1,0 +1,418 @@
+"""ZeRO-1 over MeCeFO's live replicas: one torch optimizer's state sharded over a position's
+data-parallel group, each shard also held (current at every step) by the replica that covers its
+owner, and re-sharded from those holders when the generation changes.
+
+    sharded = ShardedOptimizer(engine_optimizer)    # the innermost torch optimizer; its `step` is replaced
+    runtime = ElasticRuntime(..., sharding=sharded) # the runtime re-shards at every new generation
+
+The flat range [0, numel) is the optimizer's parameters in param-group order; shards.py lays it out.
+A rank keeps, for its shard and its copy, an fp32 master of the range and the optimizer's per-element
+state (AdamW: exp_avg, exp_avg_sq), driven by an optimizer of the host's class over views of them,
+with the host's hyperparameters (the learning-rate schedule, weight-decay groups) copied in every step.
+
+Per step (after MeCeFO's all-reduce of the gradients: every rank holds the whole reduced gradient):
+- the owner updates its shard and the copy holder the copy, from the same gradient and state:
+  bit-identical, with no bytes moved for the copy (a second update of 1/D of the parameters);
+- the updated shards are all-gathered (each rank receives (D-1)/D of the parameters).
+A reduce-scatter would move half the gradient bytes, but then the copy holder needs its copy's
+gradient too; on gloo (no reduce-scatter) the all-reduce is what runs. Knows tensors and a group,
+not the protocol: the runtime calls `regroup` / `install`, the step driver reads `gather_error`.
+
+The gather runs after the commit. If a peer dies in it, the step stands (every holder of every range
+took it): `gather_error` is set and the runtime regroups at once; `regroup` re-sends every range's
+parameters from a surviving holder, so no rank trains on a half-gathered model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_mecefo.elastic.shards import Reshard, ShardLayout, reshard
+from megatron_mecefo.errors import GaveUp
+
+__all__ = ["ShardedOptimizer", "ShardLost", "innermost_optimizer"]
+
+SHARD_FILE = "mecefo_optim_{start}-{end}.pt"
+
+
+class ShardLost(GaveUp):
+    """A range of the sharded optimizer state has no live holder (its owner and the holder of its
+    copy failed together, or there was no copy): the job ends with the last checkpoint."""
+
+
+def innermost_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside a host's wrappers (DeepSpeed's and Megatron's keep it in `.optimizer`)."""
+    seen = optimizer
+    while not isinstance(seen, torch.optim.Optimizer) and getattr(seen, "optimizer", None) is not None:
+        seen = seen.optimizer
+    if not isinstance(seen, torch.optim.Optimizer):
+        raise ValueError(f"the sharded optimizer needs a torch.optim.Optimizer inside the host's; found {type(optimizer).__name__}")
+    return seen
+
+
+def _probe(optimizer: torch.optim.Optimizer) -> Tuple[List[str], Dict[str, torch.Tensor]]:
+    """The optimizer class's state after one step on a 1-element parameter: its per-element keys
+    (sharded) and its scalar keys with their fresh values (AdamW: "step")."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k not in ("params", "initial_lr")}
+    probe = type(optimizer)([{"params": [p], **hyper}])
+    p.grad = torch.zeros(1)
+    probe.step()
+    state = probe.state[p]
+    elementwise = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape)
+    scalars = {k: torch.zeros_like(v) for k, v in state.items() if torch.is_tensor(v) and v.shape != p.shape}
+    return elementwise, scalars
+
+
+@dataclasses.dataclass
+class _Held:
+    """One held range: its fp32 master, per-element state and scalars, and the optimizer over them."""
+
+    start: int
+    end: int
+    master: torch.Tensor
+    state: Dict[str, torch.Tensor]
+    scalars: Dict[str, torch.Tensor]
+    pieces: List[Tuple[int, int, int]]
+    """(host param group, flat start, flat end) of the range, per group it meets."""
+    inner: Optional[torch.optim.Optimizer] = None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [self.master, *self.state.values()])
+
+
+class ShardedOptimizer:
+    """ZeRO-1 for `optimizer` (see the module docstring). Replaces `optimizer.step`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, neighbour_copy: bool = True) -> None:
+        self.optimizer = optimizer
+        self.neighbour_copy = neighbour_copy
+        self.params: List[torch.Tensor] = []
+        self.group_bounds: List[Tuple[int, int]] = []
+        self.offsets: List[int] = []
+        n = 0
+        for group in optimizer.param_groups:
+            lo = n
+            for p in group["params"]:
+                self.params.append(p)
+                self.offsets.append(n)
+                n += p.numel()
+            self.group_bounds.append((lo, n))
+        self.numel = n
+        self.keys, self.fresh_scalars = _probe(optimizer)
+        self.layout: Optional[ShardLayout] = None
+        """The layout this rank's state is in (None: the whole state, before the first generation)."""
+        self.replica: Optional[int] = None
+        self.held: Dict[str, _Held] = {}
+        self.group = None
+        self._group_replicas: List[int] = []
+        self._source: Optional[List[Tuple[int, int, str]]] = None  # shard files to start from (--load)
+        self.gather_error: Optional[BaseException] = None
+        self.last_reshard: Optional[Reshard] = None
+        optimizer.step = self.step  # the host's wrappers (clipping, scheduler, counters) stay as they are
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    def step(self, closure=None):
+        """Update the held ranges from the parameters' (reduced) gradients, then all-gather the shards."""
+        if closure is not None:
+            raise ValueError("the sharded optimizer takes no closure")
+        if self.layout is None:
+            raise RuntimeError("the sharded optimizer steps only inside a generation (after the runtime's start)")
+        self.gather_error = None
+        for held in self.held.values():
+            if held.inner is not None:
+                self._update(held)
+        try:
+            self._gather()
+        except Exception as e:  # a peer died after the commit: the runtime regroups and re-sends (regroup)
+            self.gather_error = e
+        return None
+
+    def _update(self, held: _Held) -> None:
+        for j, (g, lo, hi) in enumerate(held.pieces):
+            group = held.inner.param_groups[j]
+            for k, v in self.optimizer.param_groups[g].items():
+                if k != "params":
+                    group[k] = v
+            group["params"][0].grad = self._read(lo, hi, grad=True)
+        held.inner.step()
+        for j, (g, lo, hi) in enumerate(held.pieces):
+            m = held.inner.param_groups[j]["params"][0]
+            m.grad = None
+            st = held.inner.state[m]
+            for k in self.keys:  # the optimizer must update the views in place (torch's do)
+                if st[k].data_ptr() != held.state[k][lo - held.start:].data_ptr():
+                    raise RuntimeError(f"{type(self.optimizer).__name__} replaced its state {k!r} instead of updating "
+                                       "it in place: it cannot be sharded")
+        self._write(held.start, held.master)
+
+    def _gather(self) -> None:
+        live = self.layout.live
+        sizes = [self.layout.shard(r) for r in live]
+        width = max(b - a for a, b in sizes)
+        mine = self.held["shard"]
+        inp = torch.zeros(width, dtype=torch.float32)
+        inp[:mine.end - mine.start] = mine.master
+        outs = [torch.empty(width, dtype=torch.float32) for _ in self._group_replicas]
+        self.group.allgather([outs], [inp]).wait()
+        for replica, out in zip(self._group_replicas, outs):
+            if replica != self.replica:
+                a, b = self.layout.shard(replica)
+                self._write(a, out[:b - a])
+
+    # -- flat access to the parameters ------------------------------------------------------------
+
+    def _spans(self, start: int, end: int):
+        """(param, its flat slice, offset in [start, end)) of the parameters overlapping the range."""
+        for p, off in zip(self.params, self.offsets):
+            a, b = max(start, off), min(end, off + p.numel())
+            if a < b:
+                yield p, slice(a - off, b - off), a - start
+
+    def _read(self, start: int, end: int, grad: bool = False) -> torch.Tensor:
+        out = torch.zeros(end - start, dtype=torch.float32)
+        for p, sl, at in self._spans(start, end):
+            src = p.grad if grad else p.detach()
+            if src is not None:
+                out[at:at + sl.stop - sl.start] = src.reshape(-1)[sl]
+        return out
+
+    def _write(self, start: int, values: torch.Tensor) -> None:
+        with torch.no_grad():
+            for p, sl, at in self._spans(start, start + values.numel()):
+                p.view(-1)[sl] = values[at:at + sl.stop - sl.start].to(p.dtype)
+
+    # -- held ranges --------------------------------------------------------------------------------
+
+    def _new_held(self, start: int, end: int) -> _Held:
+        pieces = [(g, max(start, lo), min(end, hi)) for g, (lo, hi) in enumerate(self.group_bounds)
+                  if max(start, lo) < min(end, hi)]
+        return _Held(start, end, self._read(start, end), {k: torch.zeros(end - start) for k in self.keys},
+                     {k: v.clone() for k, v in self.fresh_scalars.items()}, pieces)
+
+    def _bind(self, held: _Held) -> None:
+        """The host class's optimizer over views of the held range, one param group per host group."""
+        groups, views = [], []
+        for g, lo, hi in held.pieces:
+            m = torch.nn.Parameter(held.master[lo - held.start:hi - held.start])
+            hyper = {k: v for k, v in self.optimizer.param_groups[g].items() if k != "params"}
+            groups.append({"params": [m], **hyper})
+            views.append((m, lo, hi))
+        held.inner = type(self.optimizer)(groups) if groups else None
+        for m, lo, hi in views:
+            st = {k: held.state[k][lo - held.start:hi - held.start] for k in self.keys}
+            st.update({k: v.clone() for k, v in held.scalars.items()})
+            held.inner.state[m] = st
+
+    def _scalars_of(self, held: _Held) -> Dict[str, torch.Tensor]:
+        """The scalars as the optimizer keeps them now (they move in lockstep over every range)."""
+        if held.inner is None or not held.pieces:
+            return held.scalars
+        m = held.inner.param_groups[0]["params"][0]
+        return {k: held.inner.state[m][k] for k in held.scalars}
+
+    def nbytes(self) -> int:
+        """Bytes of optimizer state this rank holds (masters, per-element state) now."""
+        return sum(h.nbytes() for h in self.held.values())
+
+    def replicated_nbytes(self) -> int:
+        """What a replicated optimizer of the same class holds (fp32 master + per-element state)."""
+        return self.numel * 4 * (1 + len(self.keys))
+
+    # -- a new generation ----------------------------------------------------------------------------
+
+    def regroup(self, group, peers: Sequence[int], replicas: Sequence[int], holders: Sequence[int], rank: int,
+                replicas_total: int):
+        """Re-shard over the generation whose data-parallel group at this position is `group`.
+
+        Call on every peer (in the group's order: `peers` global ranks, `replicas` their replica
+        indices; `replicas_total`: D of the original job); `holders`: the peers holding the training
+        state (joiners do not). Moves state and
+        parameters only; `install` makes the result current once the whole generation formed.
+
+        Raises:
+            ShardLost: a range of the state has no surviving holder.
+            whatever the collectives raise (a peer died): nothing of this rank's state changed.
+        """
+        me = peers.index(rank)
+        donor = min(peers.index(h) for h in holders)
+        old = self._share_layout(group, donor, me, replicas_total)
+        new = ShardLayout(self.numel, tuple(sorted(replicas)), neighbour_copy=self.neighbour_copy)
+        held_by = {replicas[peers.index(h)] for h in holders}
+        mine = replicas[me]
+        if old is None:  # the whole state on every holder (fresh, or loaded): carve locally or send
+            plan = _whole_plan(new, held_by)
+        else:
+            plan = reshard(old, new, held_by)
+        if plan.lost:
+            lost = ", ".join(f"[{a}, {b})" for a, b in plan.lost)
+            raise ShardLost(f"the sharded optimizer state lost elements {lost} of {self.numel}: their owner and the "
+                            "holder of their copy failed together (or shard_redundancy is \"none\"); the job ends with "
+                            "the last checkpoint")
+        if old is not None:
+            self._sync_parameters(group, old, held_by, replicas)
+        fresh = {into: self._new_held(a, b) for into, (a, b) in new.held(mine).items()}
+        scalars = None
+        work = []
+        for tag, mv in enumerate(plan.moves):
+            if mv.src == mine:
+                payload = torch.cat([self._state_slice(mv.start, mv.end, old is None)] + [
+                    s.reshape(1).float() for s in self._current_scalars(old is None).values()])
+                if mv.local:
+                    self._fill(fresh[mv.into], mv, payload)
+                    scalars = payload if scalars is None else scalars
+                else:  # the payload stays referenced until the send completed
+                    work.append((group.send([payload], replicas.index(mv.dst), tag), None, payload))
+            elif mv.dst == mine:
+                buf = torch.empty((mv.end - mv.start) * len(self.keys) + len(self.fresh_scalars))
+                work.append((group.recv([buf], replicas.index(mv.src), tag), mv, buf))
+        for w, mv, buf in work:
+            w.wait()
+            if mv is not None:
+                self._fill(fresh[mv.into], mv, buf)
+                scalars = scalars if scalars is not None else buf
+        for held in fresh.values():
+            if scalars is not None:
+                tail = scalars[scalars.numel() - len(self.fresh_scalars):]
+                for (k, v), x in zip(self.fresh_scalars.items(), tail):
+                    held.scalars[k] = torch.full_like(v, float(x))
+            self._bind(held)
+        return new, mine, fresh, plan, group, list(replicas)
+
+    def install(self, pending) -> None:
+        """Make the re-sharded state current (the generation formed)."""
+        self.layout, self.replica, self.held, self.last_reshard, self.group, self._group_replicas = pending
+        self._source = None
+        self.optimizer.state.clear()  # the whole state it may have held (a loaded checkpoint) is now sharded
+
+    def _share_layout(self, group, donor: int, me: int, width: int) -> Optional[ShardLayout]:
+        """The donor's layout (its live replicas; -1: the whole state), broadcast to the peers."""
+        info = torch.full((width,), -2, dtype=torch.int64)
+        if me == donor:
+            live = list(self.layout.live) if self.layout is not None else [-1]
+            info[:len(live)] = torch.tensor(live)
+        from megatron_mecefo.elastic import groups
+
+        groups.broadcast_(group, info, donor)
+        live = [int(x) for x in info if x != -2]
+        if live == [-1]:
+            return None
+        return ShardLayout(self.numel, tuple(live), neighbour_copy=self.neighbour_copy)
+
+    def _sync_parameters(self, group, old: ShardLayout, held_by, replicas: Sequence[int]) -> None:
+        """Every old shard's parameters from a surviving holder (its owner, else its copy's holder) to
+        every peer: after a gather that a death cut short, no rank keeps a half-updated model."""
+        from megatron_mecefo.elastic import groups
+
+        for owner in old.live:
+            a, b = old.shard(owner)
+            holder = owner if owner in held_by else old.copy_holder(owner)
+            buf = self._read(a, b) if holder == self.replica else torch.empty(b - a)
+            groups.broadcast_(group, buf, replicas.index(holder))
+            if holder != self.replica:
+                self._write(a, buf)
+
+    def _state_slice(self, start: int, end: int, whole: bool) -> torch.Tensor:
+        """The per-element state of [start, end), key after key, from what this rank holds."""
+        if whole:
+            return self._whole_state(start, end)
+        for held in self.held.values():
+            if held.start <= start and end <= held.end:
+                return torch.cat([held.state[k][start - held.start:end - held.start] for k in self.keys])
+        raise RuntimeError(f"[{start}, {end}) is not held here: the re-shard plan and the held ranges disagree")
+
+    def _current_scalars(self, whole: bool) -> Dict[str, torch.Tensor]:
+        if whole:
+            return self._whole_scalars()
+        return self._scalars_of(self.held["shard"])
+
+    def _fill(self, held: _Held, mv, payload: torch.Tensor) -> None:
+        n = mv.end - mv.start
+        for i, k in enumerate(self.keys):
+            held.state[k][mv.start - held.start:mv.end - held.start] = payload[i * n:(i + 1) * n]
+
+    # -- the whole state (before the first generation): the host optimizer's, or shard files -------
+
+    def _whole_state(self, start: int, end: int) -> torch.Tensor:
+        if self._source is not None:
+            return torch.cat([self._file_slice(k, start, end) for k in self.keys])
+        out = []
+        for k in self.keys:
+            flat = torch.zeros(end - start)
+            for p, sl, at in self._spans(start, end):
+                st = self.optimizer.state.get(p, {})
+                if k in st:
+                    flat[at:at + sl.stop - sl.start] = st[k].reshape(-1)[sl].float()
+            out.append(flat)
+        return torch.cat(out)
+
+    def _whole_scalars(self) -> Dict[str, torch.Tensor]:
+        if self._source is not None:
+            return torch.load(self._source[0][2], weights_only=True)["scalars"]
+        for p in self.params:
+            st = self.optimizer.state.get(p)
+            if st:
+                return {k: torch.as_tensor(st[k]).clone() for k in self.fresh_scalars}
+        return dict(self.fresh_scalars)
+
+    def _file_slice(self, key: str, start: int, end: int) -> torch.Tensor:
+        out, covered = torch.zeros(end - start), start
+        for a, b, path in self._source:
+            lo, hi = max(start, a), min(end, b)
+            if lo < hi:
+                data = torch.load(path, weights_only=True, mmap=True)["state"][key]
+                out[lo - start:hi - start] = data[lo - a:hi - a]
+        return out
+
+    # -- checkpoints: one file per held range, written by its holder -----------------------------
+
+    def save(self, directory: str) -> List[str]:
+        """Write this rank's held ranges under `directory` (every rank writes its own; a range two
+        ranks hold is written twice with the same content, atomically). Returns the paths."""
+        os.makedirs(directory, exist_ok=True)
+        paths = []
+        for held in self.held.values():
+            path = os.path.join(directory, SHARD_FILE.format(start=held.start, end=held.end))
+            tmp = f"{path}.tmp{os.getpid()}"
+            torch.save({"numel": self.numel, "start": held.start, "end": held.end, "keys": self.keys,
+                        "state": dict(held.state), "scalars": self._scalars_of(held)}, tmp)
+            os.replace(tmp, path)
+            paths.append(path)
+        return paths
+
+    def load(self, directory: str) -> None:
+        """Start the first generation from the shard files under `directory` (any number of replicas
+        wrote them). Raises ValueError when they are of another model or do not cover the state."""
+        files = []
+        for path in glob.glob(os.path.join(directory, SHARD_FILE.format(start="*", end="*"))):
+            head = torch.load(path, weights_only=True, mmap=True)
+            if head["numel"] != self.numel or list(head["keys"]) != self.keys:
+                raise ValueError(f"{path}: optimizer state of {head['numel']} elements {head['keys']}, this model's "
+                                 f"optimizer has {self.numel} {self.keys}")
+            files.append((int(head["start"]), int(head["end"]), path))
+        files.sort()
+        reach = 0
+        for a, b, _ in files:
+            if a > reach:
+                break
+            reach = max(reach, b)
+        if reach < self.numel:
+            raise ValueError(f"{directory}: the optimizer shard files cover [0, {reach}) of {self.numel} elements "
+                             "(a range was lost when the job ended); this checkpoint cannot resume the optimizer")
+        self._source = files
+
+
+def _whole_plan(new: ShardLayout, held_by) -> Reshard:
+    """Every holder holds everything: each range from itself if it holds, else from the lowest holder."""
+    from megatron_mecefo.elastic.shards import Move
+
+    first = min(held_by)
+    moves = tuple(Move(dst if dst in held_by else first, dst, a, b, into)
+                  for dst in new.live for into, (a, b) in new.held(dst).items() if a < b)
+    return Reshard(moves, ())

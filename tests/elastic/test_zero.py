@@ -1,0 +1,134 @@
+"""The sharded optimizer (ZeRO-1 with neighbour copies) against a replicated AdamW, over real gloo
+groups: the same parameters after steps at 4 replicas, after a re-shard to 3 (a replica gone,
+its shard taken from the copy), after a joiner comes back (4 again), and from a sharded checkpoint
+at another replica count; two adjacent replicas gone lose a shard."""
+
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_mecefo.elastic.zero import ShardedOptimizer, ShardLost
+
+pytestmark = pytest.mark.dist
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+
+
+def optimizer(m):
+    decay = [p for p in m.parameters() if p.dim() > 1]
+    rest = [p for p in m.parameters() if p.dim() <= 1]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                             lr=1e-2, betas=(0.9, 0.95))
+
+
+def grads_of_step(m, step):
+    g = torch.Generator().manual_seed(100 + step)
+    for p in m.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def reference(steps):
+    """Parameters of a replicated AdamW after each step, with the test's schedule (lr halves at 3)."""
+    m = model()
+    opt = optimizer(m)
+    out = []
+    for s in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = 1e-2 if s < 3 else 5e-3
+        grads_of_step(m, s)
+        opt.step()
+        out.append(torch.cat([p.detach().reshape(-1).clone() for p in m.parameters()]))
+    return out
+
+
+def group_of(store, generation, peers, rank):
+    prefix = dist.PrefixStore(f"gen{generation}", store)
+    return dist.ProcessGroupGloo(prefix, peers.index(rank), len(peers), timedelta(seconds=30))
+
+
+def worker(rank, port, schedule, load, save, start_step, out):
+    """`schedule`: [(live ranks, steps)], one generation each; a rank not live in a generation is
+    gone and comes back without state (a joiner). `load`/`save`: shard files to start from / to
+    write at the end. Writes its parameters after every step."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
+    m = model()
+    sharded = ShardedOptimizer(optimizer(m))
+    if load:
+        sharded.load(load)
+        with torch.no_grad():  # the module of the checkpoint (every replica loads it)
+            for p, v in zip(m.parameters(), torch.load(os.path.join(load, "module.pt"))):
+                p.copy_(v)
+    params, step, record = list(m.parameters()), start_step, {}
+    for generation, (live, steps) in enumerate(schedule):
+        if rank not in live:
+            sharded = ShardedOptimizer(optimizer(m))  # its state is gone with it
+            step += steps
+            continue
+        previous = schedule[generation - 1][0] if generation else live
+        holders = [r for r in live if r in previous]
+        group = group_of(store, generation, list(live), rank)
+        try:
+            pending = sharded.regroup(group, list(live), list(live), holders, rank, replicas_total=5)
+        except ShardLost as e:
+            record["lost"] = str(e)
+            break
+        sharded.install(pending)
+        for _ in range(steps):
+            for group_ in sharded.optimizer.param_groups:
+                group_["lr"] = 1e-2 if step < 3 else 5e-3
+            grads_of_step(m, step)
+            sharded.optimizer.step()
+            assert sharded.gather_error is None, sharded.gather_error
+            record[step] = torch.cat([p.detach().reshape(-1).clone() for p in params])
+            step += 1
+        record["bytes"] = sharded.nbytes()
+        record["replicated_bytes"] = sharded.replicated_nbytes()
+    if save and "lost" not in record:
+        sharded.save(save)
+        if rank == 0:
+            torch.save([p.detach().clone() for p in params], os.path.join(save, "module.pt"))
+    torch.save(record, os.path.join(out, f"rank{rank}.pt"))
+
+
+def run(out, schedule, world=4, load=None, save=None, start_step=0):
+    out.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(port, schedule, load, save, start_step, str(out)), nprocs=world, join=True)
+    return {r: torch.load(out / f"rank{r}.pt") for r in range(world)}
+
+
+def test_sharded_steps_equal_replicated_through_a_failure_a_rejoin_and_a_checkpoint(tmp_path):
+    ref = reference(12)
+    ckpt = str(tmp_path / "ckpt")
+    # 4 replicas, replica 1 gone (its shard from replica 2's copy), back (it receives its shard and copy)
+    records = run(tmp_path / "a", [([0, 1, 2, 3], 2), ([0, 2, 3], 2), ([0, 1, 2, 3], 3)], save=ckpt)
+    for rank, rec in records.items():
+        steps = [s for s in rec if isinstance(s, int)]
+        assert steps == ([0, 1, 2, 3, 4, 5, 6] if rank != 1 else [0, 1, 4, 5, 6])
+        for s in steps:
+            assert torch.equal(rec[s], ref[s]), (rank, s, (rec[s] - ref[s]).abs().max())
+    numel = ref[0].numel()
+    assert records[0]["replicated_bytes"] == numel * 12  # fp32 master, exp_avg, exp_avg_sq
+    assert sum(rec["bytes"] for rec in records.values()) == 2 * numel * 12  # each element twice: shard + copy
+    # the checkpoint of 4 replicas resumes at 3, and 2 replicas then lose their shard
+    resumed = run(tmp_path / "b", [([0, 1, 2], 5)], world=3, load=ckpt, start_step=7)
+    for rank, rec in resumed.items():
+        for s in range(7, 12):
+            assert torch.equal(rec[s], ref[s]), (rank, s)
+
+
+def test_two_adjacent_replicas_gone_lose_a_shard_everywhere(tmp_path):
+    records = run(tmp_path, [([0, 1, 2, 3], 1), ([0, 3], 1)])
+    for rank in (0, 3):
+        assert "lost" in records[rank] and "[" in records[rank]["lost"]
