@@ -25,6 +25,7 @@ __all__ = ["MeCeFOConfig", "LaunchEnv", "prepare_nccl_error_handling", "RECOMPUT
 
 RECOMPUTE_CHOICES = ("auto", "always", "never")
 APPROXIMATE_CHOICES = ("all", "adopted")
+SHARD_REDUNDANCY_CHOICES = ("neighbour", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,12 @@ class MeCeFOConfig:
     """Which micro-batches of a covering rank run in covering mode: "all" (its own and the adopted
     ones; the paper's rule, attention gradients averaged over non-covering ranks only) or "adopted"
     (its own micro-batches stay exact)."""
+    shard_redundancy: str = "neighbour"
+    """With a sharded optimizer state (ds_config "zero_optimization.stage": 1): "neighbour" keeps a
+    copy of each replica's shard, current at every step, on the replica that covers it (twice the
+    sharded state's memory; no extra bytes moved per step), so a failed replica's shard is re-sharded
+    from it; "none" keeps no copy (plain ZeRO-1 memory): losing a replica then loses its shard and
+    the job ends with its last checkpoint."""
     collective_timeout_s: float = 60.0
     """Timeout of the data-parallel collectives, and of the tensor- and pipeline-parallel ones inside a
     replica: a hung rank stalls the others at most this long. Must exceed the longest normal wait at
@@ -172,6 +179,7 @@ class MeCeFOConfig:
         self._check_choice("svd_method", SVD_METHODS)
         self._check_choice("recompute_ffn", RECOMPUTE_CHOICES)
         self._check_choice("approximate", APPROXIMATE_CHOICES)
+        self._check_choice("shard_redundancy", SHARD_REDUNDANCY_CHOICES)
         for key in ("collective_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "agree_timeout_s", "join_timeout_s"):
             self._check_positive(key)
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
@@ -323,10 +331,12 @@ class MeCeFOConfig:
         if not self.enable:
             return
         stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-        if stage:
+        if stage not in (0, 1):
             raise ValueError(
-                f'ds_config "zero_optimization.stage"={stage} is not supported with MeCeFO (--mecefo): ZeRO shards '
-                "optimizer state over data-parallel ranks, so a failed rank would take its shard with it. Use stage 0."
+                f'ds_config "zero_optimization.stage"={stage} is not supported with MeCeFO (--mecefo): stages 2 and 3 '
+                "shard the gradients and the parameters too, and a covering rank needs the whole model and gradient "
+                "of its replica. Use stage 1 (the optimizer state sharded over the live replicas, each shard also "
+                "held by its covering neighbour) or 0."
             )
         if ds_config.get("fp16", {}).get("enabled"):
             raise ValueError('ds_config "fp16" is not supported with MeCeFO yet; use "bf16" or fp32')
@@ -344,7 +354,8 @@ class MeCeFOConfig:
 
 # -- one source for the CLI help and the README's configuration reference ---------------------------
 
-_CHOICES = {"svd_method": SVD_METHODS, "recompute_ffn": RECOMPUTE_CHOICES, "approximate": APPROXIMATE_CHOICES}
+_CHOICES = {"svd_method": SVD_METHODS, "recompute_ffn": RECOMPUTE_CHOICES, "approximate": APPROXIMATE_CHOICES,
+            "shard_redundancy": SHARD_REDUNDANCY_CHOICES}
 _FLAG_KINDS = {"enable": "store_true", "log_param_hash": "bool", "log_dir": "str", "store": "str",
                "restart_failed_after": "float"}
 

@@ -307,6 +307,11 @@ def main(argv=None):
     is_logger = lambda: env.rank == grid.rank(0, pp - 1, lead_replica())  # noqa: E731
     if rt is not None and is_logger() and not rt.rejoined:
         print(f" mecefo: job {rt.job_id} | {engine.recompute_note} | starting at iteration {engine.global_steps}", flush=True)
+        if engine.sharded is not None:
+            z = engine.sharded
+            print(f" mecefo: optimizer state sharded over {len(z.layout.live)} replicas (shard_redundancy="
+                  f"{mecefo.shard_redundancy}): {z.nbytes() / 2**20:.2f} MiB on this rank, replicated "
+                  f"{z.replicated_nbytes() / 2**20:.2f} MiB", flush=True)
     t_last, losses = time.monotonic(), []
     batch_of = lambda it, replica, index: collate(train, sample_range(  # noqa: E731
         it, replica, index, micro_batch_size=args.micro_batch_size, dp=dp, k=k))
@@ -349,9 +354,13 @@ def main(argv=None):
             value = evaluate(engine.module, valid, args, sharded=sharded)
             if is_logger():
                 print(f" validation loss at iteration {it} | lm loss value: {value:.6E} |", flush=True)
-        # plain DeepSpeed: every rank calls save_checkpoint (it has barriers); MeCeFO: one replica writes
-        if args.save and (rt is None or in_lead) and ((args.save_interval and it % args.save_interval == 0) or it == args.train_iters):
-            save_checkpoint(engine, args, it, quiet=not is_logger())
+        # plain DeepSpeed: every rank calls save_checkpoint (it has barriers); MeCeFO: one replica writes,
+        # and with a sharded optimizer state (zero stage 1) every rank writes its shards beside it
+        if args.save and ((args.save_interval and it % args.save_interval == 0) or it == args.train_iters):
+            if rt is None or in_lead:
+                save_checkpoint(engine, args, it, quiet=not is_logger())
+            if rt is not None:
+                engine.save_shards(args.save)
     if rt is not None:
         engine.close()
         # the outcome is recorded and every line printed; skip interpreter teardown, where C++

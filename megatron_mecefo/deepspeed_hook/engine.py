@@ -17,17 +17,20 @@ How the frameworks see the job (why): DeepSpeed and Megatron cache their process
 group broken by a dead rank cannot be repaired inside them. So torch.distributed's default group
 and Megatron's parallel_state span one replica only (its tp * pp ranks; data-parallel size 1 as
 far as they know), and data parallelism across replicas belongs to the runtime's own groups, which
-it rebuilds per generation. No framework code ever waits on a failed rank. Consequences: ZeRO
-stages >= 1 (which shard optimizer state over data-parallel ranks, so a dead rank would take its
-shard) are refused at start-up; ds_config's batch sizes are rewritten per replica
-(train_batch_size = micro batch * accumulation steps), "managed_gradient_accumulation" is false.
+it rebuilds per generation. No framework code ever waits on a failed rank. Consequences: ds_config's
+batch sizes are rewritten per replica (train_batch_size = micro batch * accumulation steps),
+"managed_gradient_accumulation" is false, and ZeRO stage 1 is MeCeFO's, not DeepSpeed's: the
+engine runs stage 0 inside its replica and the runtime shards the optimizer state over the live
+replicas (elastic/zero.py: each shard also held by its covering neighbour, re-sharded on a
+failure); checkpoints then hold one `mecefo_optim_*.pt` file per held range beside DeepSpeed's files,
+written by every rank. Stages 2 and 3 are refused at start-up.
 
 Tensor and pipeline parallelism: the replica is its T * P ranks (init_distributed); its forward and
 backward run through Megatron-Core's schedules (`train_step`, 1F1B with P > 1), gradients are
 clipped over the replica's model-parallel ranks (schedule.clip_grad_norm), and a failed collective
 inside the replica raises ReplicaLost: the whole replica leaves and rejoins once restarted.
 
-Scope: ZeRO-0, fp32 on gloo (tested; bf16 is not exercised by CI). On CUDA the
+Scope: ZeRO-0 and 1, fp32 on gloo (tested; bf16 is not exercised by CI). On CUDA the
 runtime's groups use NCCL with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 and communicator abort, following
 PyTorch's documented APIs; that path is untested here (no GPU in CI).
 """
@@ -47,6 +50,7 @@ from megatron_mecefo.elastic.bootstrap import init_distributed, param_digest
 from megatron_mecefo.elastic.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver, training_state
+from megatron_mecefo.elastic.zero import ShardedOptimizer, innermost_optimizer
 
 __all__ = ["initialize", "attach_runtime", "MeCeFOEngine", "init_distributed", "param_digest", "save_checkpoint",
            "load_checkpoint"]
@@ -79,7 +83,13 @@ def replica_ds_config(ds_config: Dict[str, Any], world: int) -> tuple:
             f"gradient_accumulation_steps ({gas}) x data-parallel size ({world})"
         )
     cfg.update(train_batch_size=mb * gas, gradient_accumulation_steps=gas, managed_gradient_accumulation=False)
+    if cfg.get("zero_optimization", {}).get("stage", 0) == 1:  # the runtime shards over the replicas
+        cfg["zero_optimization"] = {**cfg["zero_optimization"], "stage": 0}
     return cfg, gas, mb
+
+
+def zero_stage(ds_config: Dict[str, Any]) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
 
 class MeCeFOEngine(DrivenHost):
@@ -101,6 +111,8 @@ class MeCeFOEngine(DrivenHost):
         self.micro_batch_size = micro_batch_size
         self.recompute_note = self.driver.recompute_note
         self.engine.enable_backward_allreduce = False  # the runtime reduces across replicas
+        self.sharded: Optional[ShardedOptimizer] = runtime.sharding
+        """The sharded optimizer state (ds_config zero stage 1), or None."""
         self._plan: Optional[StepPlan] = None
         self._done = 0
         self._loss_sum = 0.0
@@ -200,6 +212,12 @@ class MeCeFOEngine(DrivenHost):
     def __getattr__(self, name):  # everything else: the DeepSpeed engine
         return getattr(self.engine, name)
 
+    def save_shards(self, save_dir: str) -> None:
+        """Every rank's part of a checkpoint with a sharded optimizer state: its held ranges, under
+        save_dir/global_step{N} beside DeepSpeed's files (which one replica writes)."""
+        if self.sharded is not None:
+            self.sharded.save(os.path.join(save_dir, f"global_step{self.engine.global_steps}"))
+
     def close(self) -> None:
         self.driver.close()
 
@@ -273,13 +291,15 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
     save = (lambda: save_checkpoint(engine, save_dir)) if save_dir is not None else None
     return attach_runtime(engine, cfg, job, tensor_parallel=tp, pipeline_parallel=pp, micro_batches=k,
                           micro_batch_size=mb, clip_grad=clip, backend=backend, train_iters=train_iters,
-                          save=save, load=load)
+                          save=save, load=load, save_dir=save_dir, load_dir=load_dir,
+                          sharded=cfg.enable and zero_stage(config) == 1)
 
 
 def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: int, pipeline_parallel: int,
                    micro_batches: int, micro_batch_size: int, clip_grad: float = 0.0, backend: str = "gloo",
                    train_iters: Optional[int] = None, save=None, load=None, extra_state=None,
-                   module_state=None) -> MeCeFOEngine:
+                   module_state=None, sharded: bool = False, save_dir: Optional[str] = None,
+                   load_dir: Optional[str] = None) -> MeCeFOEngine:
     """Join the job with a DeepSpeed engine built over this rank's replica: the runtime, its state
     hooks (module, optimizer, scheduler, counters, RNG; what a rejoining rank receives) and the
     give-up checkpoint, then `start()`. Shared by `initialize` and the integrations.
@@ -292,6 +312,8 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
             counters); plain data only.
         module_state: (get, set) of the module's state (default: `state_dict` / `load_state_dict`;
             legacy Megatron models load only their `state_dict_for_save_checkpoint` format).
+        sharded: shard the engine's optimizer state over the live replicas (ZeRO-1, elastic/zero.py);
+            `save_dir` / `load_dir`: where its shard files go / come from (beside DeepSpeed's).
     """
     get_module, set_module = module_state or (engine.module.state_dict, engine.module.load_state_dict)
 
@@ -304,12 +326,27 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
         if extra_state:
             extra_state[1](values["extra"])
 
+    shards = None
+    if sharded:
+        from megatron_mecefo.elastic.topology import Grid
+
+        tp_rank, pp_rank = Grid(tp=tensor_parallel, pp=pipeline_parallel,
+                                dp=job.world // (tensor_parallel * pipeline_parallel)).position(job.rank)
+        shards = ShardedOptimizer(innermost_optimizer(engine.optimizer), tag=f"t{tp_rank}p{pp_rank}",
+                                  neighbour_copy=cfg.shard_redundancy == "neighbour")
+    save_shards = None
+    if shards is not None and save_dir is not None:
+        save_shards = lambda: shards.save(os.path.join(save_dir, f"global_step{engine.global_steps}"))  # noqa: E731
     runtime = ElasticRuntime.for_job(
         cfg, job, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, micro_batches=micro_batches,
-        backend=backend, train_iters=train_iters, save_checkpoint=save,
+        backend=backend, train_iters=train_iters, save_checkpoint=save, sharding=shards, save_shards=save_shards,
         state=training_state((get_module, set_module), engine.optimizer, engine.lr_scheduler, (counters, set_counters)))
     if load is not None and job.incarnation == 0:
         load()
+        if shards is not None:  # a sharded checkpoint's shard files; else the (replicated) state DeepSpeed loaded
+            tag = open(os.path.join(load_dir, "latest")).read().strip()
+            if shards.has_files(os.path.join(load_dir, tag)):
+                shards.load(os.path.join(load_dir, tag))
     step = runtime.start(engine.global_steps)
     if step != engine.global_steps:
         raise RuntimeError(f"runtime step {step} != engine step {engine.global_steps}")

@@ -99,6 +99,10 @@ class ElasticRuntime:
         save_checkpoint: () -> path: writes a checkpoint of the last committed step when the job
             gives up (called on one rank that holds the state); None: no checkpoint.
         train_iters: the job's length; needed to lay out config.trace (the same on every rank).
+        sharding: the sharded optimizer (zero.ShardedOptimizer) re-sharded at every new generation;
+            None: the optimizer state is replicated.
+        save_shards: () -> None: writes this rank's shards of the optimizer state into the give-up
+            checkpoint (every rank holding state calls it; `save_checkpoint` writes the rest).
 
     Raises:
         ValueError: injection rules or a trace that cannot run as written (naming the rule or event).
@@ -124,6 +128,8 @@ class ElasticRuntime:
         state: Optional[tuple] = None,
         save_checkpoint: Optional[Callable[[], str]] = None,
         train_iters: Optional[int] = None,
+        sharding=None,
+        save_shards: Optional[Callable[[], Any]] = None,
     ) -> None:
         self.cfg = config
         self.rank, self.world = rank, world
@@ -167,6 +173,8 @@ class ElasticRuntime:
         self._fold: Optional[Fold] = None
         self._get_state, self._set_state = state if state is not None else (None, None)
         self._save = save_checkpoint
+        self.sharding = sharding
+        self._save_shards = save_shards
         self._has_state = False
         """True once this rank holds the training state of self.step: every rank of generation 0,
         a joiner once it has received the state. A rank without it never trains or votes."""
@@ -407,6 +415,19 @@ class ElasticRuntime:
         self._recover()
         return False
 
+    def regroup_after_commit(self, error: BaseException) -> None:
+        """A collective after the commit failed (the sharded optimizer's parameter gather): the step
+        stands, so regroup now at the next step; the new generation re-sends the parameters.
+
+        Raises:
+            GaveUp: the failure cannot be absorbed (a shard of the optimizer state was lost).
+        """
+        self.report_error(error)
+        self.events.write("gather_failed", step=self.step, error=str(error).splitlines()[0][:200])
+        self.step += 1
+        self.membership.abort_step(self.generation, self.step)  # a member already in the next step stops waiting
+        self._guarded(self._recover)
+
     # -- recovery ---------------------------------------------------------------------------------
 
     def _recover(self) -> None:
@@ -449,9 +470,13 @@ class ElasticRuntime:
                                               tag=self._tag())
                 if agreed.joiners:
                     payload = self._transfer_state(group, agreed, peers)
+                if self.sharding is not None:
+                    sharded = self.sharding.regroup(group, peers, [self.grid.replica_of(r) for r in peers],
+                                                    [r for r in peers if r not in agreed.joiners], self.rank,
+                                                    replicas_total=self.grid.dp)
                 if not self.membership.formed(generation, agreed.members):
                     raise MeCeFOError("another member's group or state transfer failed")
-            except (JobAborted, JobFinished):
+            except (GaveUp, JobFinished):  # JobAborted, or a shard of the optimizer state lost
                 groups.destroy_group(group)
                 raise
             except Exception as e:  # a member died after the agreement or during the transfer
@@ -466,6 +491,8 @@ class ElasticRuntime:
             break
         if payload is not None:
             self._load_state(payload, agreed.step)
+        if self.sharding is not None:
+            self.sharding.install(sharded)
         self.group, self.generation, self.members, self._cover = group, generation, list(agreed.members), cover
         self.step = agreed.step
         approximate = self.cfg.approximate if self._approximations_on() else "none"
@@ -541,6 +568,11 @@ class ElasticRuntime:
         reason = str(error).splitlines()[0]
         if not isinstance(error, JobAborted):
             self.log.error("giving up: %s", reason)
+        if self._save_shards is not None and self._has_state and self.sharding.layout is not None:
+            try:  # every holder writes its own ranges of the sharded optimizer state
+                self._save_shards()
+            except Exception as e:
+                self.log.error("could not write this rank's optimizer shards: %s", e)
         ckpt = write_checkpoint(self.store, self.grid, self.rank, step=self.step, has_state=self._has_state,
                                 save=self._save, survivors=getattr(error, "members", None), log=self.log)
         error.checkpoint = ckpt

@@ -189,6 +189,9 @@ class StepDriver:
             with self.runtime.replica_collectives(plan.step):
                 self.host.before_optimizer()
         self.optimizer_result = self.host.optimizer_step()
+        sharded = self.runtime.sharding
+        if sharded is not None and sharded.gather_error is not None:  # a peer died after the commit
+            self.runtime.regroup_after_commit(sharded.gather_error)
         return True
 
     def run(self, step: int, body: Callable[[StepPlan], T]) -> T:

@@ -37,7 +37,8 @@ from megatron_mecefo.errors import GaveUp
 
 __all__ = ["ShardedOptimizer", "ShardLost", "innermost_optimizer"]
 
-SHARD_FILE = "mecefo_optim_{start}-{end}.pt"
+SHARD_FILE = "mecefo_optim_{tag}_{start}-{end}.pt"
+"""One held range of one (tp, pp) position's state in a checkpoint directory."""
 
 
 class ShardLost(GaveUp):
@@ -89,8 +90,10 @@ class _Held:
 class ShardedOptimizer:
     """ZeRO-1 for `optimizer` (see the module docstring). Replaces `optimizer.step`."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, neighbour_copy: bool = True) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, neighbour_copy: bool = True, tag: str = "t0p0") -> None:
         self.optimizer = optimizer
+        self.tag = tag
+        """The (tp, pp) position whose state this is (in the shard files' names)."""
         self.neighbour_copy = neighbour_copy
         self.params: List[torch.Tensor] = []
         self.group_bounds: List[Tuple[int, int]] = []
@@ -378,7 +381,7 @@ class ShardedOptimizer:
         os.makedirs(directory, exist_ok=True)
         paths = []
         for held in self.held.values():
-            path = os.path.join(directory, SHARD_FILE.format(start=held.start, end=held.end))
+            path = os.path.join(directory, SHARD_FILE.format(tag=self.tag, start=held.start, end=held.end))
             tmp = f"{path}.tmp{os.getpid()}"
             torch.save({"numel": self.numel, "start": held.start, "end": held.end, "keys": self.keys,
                         "state": dict(held.state), "scalars": self._scalars_of(held)}, tmp)
@@ -386,11 +389,14 @@ class ShardedOptimizer:
             paths.append(path)
         return paths
 
+    def has_files(self, directory: str) -> bool:
+        return bool(glob.glob(os.path.join(directory, SHARD_FILE.format(tag=self.tag, start="*", end="*"))))
+
     def load(self, directory: str) -> None:
         """Start the first generation from the shard files under `directory` (any number of replicas
         wrote them). Raises ValueError when they are of another model or do not cover the state."""
         files = []
-        for path in glob.glob(os.path.join(directory, SHARD_FILE.format(start="*", end="*"))):
+        for path in glob.glob(os.path.join(directory, SHARD_FILE.format(tag=self.tag, start="*", end="*"))):
             head = torch.load(path, weights_only=True, mmap=True)
             if head["numel"] != self.numel or list(head["keys"]) != self.keys:
                 raise ValueError(f"{path}: optimizer state of {head['numel']} elements {head['keys']}, this model's "
