@@ -77,7 +77,7 @@ def test_trains_on_data_of_another_tokenizer_with_the_null_tokenizer(tmp_path):
     [
         (["--data-path", "/nonexistent/corpus"], "not found; create it with"),
         (["--mecefo", "--mecefo-rank", "0"], "--mecefo-rank must be an integer >= 1"),
-        (["--mecefo", "--deepspeed_config", "ZERO1"], '"zero_optimization.stage"=1 is not supported with MeCeFO'),
+        (["--mecefo", "--deepspeed_config", "ZERO2"], '"zero_optimization.stage"=2 is not supported with MeCeFO'),
         (["--mecefo", "--mecefo-rank", "64"], "mecefo.rank=64 is out of range for FFN weight"),
         (["--tokenizer-type", "NullTokenizer"], "needs --vocab-size >= 1"),
         (["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"], "needs --data-path"),
@@ -87,7 +87,7 @@ def test_trains_on_data_of_another_tokenizer_with_the_null_tokenizer(tmp_path):
     ],
 )
 def test_bad_input_stops_before_training(tmp_path, extra, message):
-    for name, cfg in (("ZERO1", {"zero_optimization": {"stage": 1}}), ("LR", {"optimizer": {"type": "AdamW", "params": {"lr": 5e-4}}})):
+    for name, cfg in (("ZERO2", {"zero_optimization": {"stage": 2}}), ("LR", {"optimizer": {"type": "AdamW", "params": {"lr": 5e-4}}})):
         if name in extra:
             (tmp_path / "ds.json").write_text(json.dumps(cfg))
             extra = [str(tmp_path / "ds.json") if x == name else x for x in extra]

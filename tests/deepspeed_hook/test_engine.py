@@ -116,10 +116,12 @@ def test_rejoin_restores_model_and_optimizer(tmp_path):
     assert not any(r["degraded"] for r in recs[n - 1])
 
 
-def test_zero_stage_and_fp16_refused_before_training():
+def test_zero_stages_2_3_and_fp16_refused_before_training():
     cfg = MeCeFOConfig(enable=True)
-    with pytest.raises(ValueError, match=r'"zero_optimization.stage"=1 is not supported with MeCeFO'):
-        cfg.check_ds_config({"zero_optimization": {"stage": 1}})
+    for stage in (2, 3):
+        with pytest.raises(ValueError, match=rf'"zero_optimization.stage"={stage} is not supported with MeCeFO'):
+            cfg.check_ds_config({"zero_optimization": {"stage": stage}})
+    cfg.check_ds_config({"zero_optimization": {"stage": 1}})  # sharded over the live replicas (elastic/zero.py)
     with pytest.raises(ValueError, match="fp16"):
         cfg.check_ds_config({"fp16": {"enabled": True}})
     MeCeFOConfig(enable=False).check_ds_config({"zero_optimization": {"stage": 2}})  # plain training: untouched

@@ -67,6 +67,9 @@ def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, world: int) -
         (getattr(args, "ds_sequence_parallel_size", 1) > 1,
          "--mecefo does not support DeepSpeed sequence parallelism (--ds-sequence-parallel-size)"),
         (getattr(args, "zero_stage", 0) == 3, "--mecefo does not support --zero-stage 3"),
+        (ds_config.get("zero_optimization", {}).get("stage", 0) == 1 or getattr(args, "zero_stage", 0) == 1,
+         'ds_config "zero_optimization.stage"=1 is not supported with MeCeFO in Megatron-DeepSpeed yet (the sharded '
+         "optimizer state runs in MeCeFO's own DeepSpeed loop, megatron_mecefo.deepspeed_hook): use --zero-stage 0"),
         (max(getattr(args, "num_experts", None) or [1]) > 1, "--mecefo does not support MoE (--num-experts > 1)"),
         (bool(getattr(args, "mos", False) or getattr(args, "kd", False)),
          "--mecefo does not support knowledge distillation (--mos / --kd)"),

@@ -1,0 +1,92 @@
+"""examples/pretrain_gpt with ds_config "zero_optimization.stage": 1: the optimizer state sharded over
+the live replicas, each shard also on its covering neighbour. With the approximations off a kill (in
+the backward, or after the commit while the shards are gathered) and the rejoin give the replicated
+fault-free losses; a sharded checkpoint resumes at another replica count; a shard with no copy left
+ends the job with a checkpoint that says what it lacks. Real processes, SIGKILL."""
+
+import json
+import sys
+
+import pytest
+
+from tests.data.pretrain import SMALL, losses, valid_loss
+from tests.helpers import ROOT, run_launcher
+
+pytestmark = [pytest.mark.dist, pytest.mark.fault]
+
+EXACT = ["--mecefo", "--no-mecefo-skip-attention", "--no-mecefo-lowrank-ffn", "--mecefo-recompute-ffn", "never"]
+
+
+def ds_config(tmp_path, stage):
+    path = tmp_path / f"ds{stage}.json"
+    path.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95], "torch_adam": True}},
+                                "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}}))
+    return str(path)
+
+
+def run(tmp_path, nproc, stage, *extra, launcher=(), expect=0, iters=8):
+    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(nproc), "--master-port", "0",
+           *launcher, str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"), *SMALL, "--global-batch-size", "12",
+           "--train-iters", str(iters), "--eval-interval", str(iters), "--deepspeed_config", ds_config(tmp_path, stage),
+           *extra]
+    proc = run_launcher(cmd, timeout=300)
+    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+    """The fault-free run with a replicated optimizer state: losses of iterations 1..8, validation."""
+    out = run(tmp_path_factory.mktemp("replicated"), 3, 0, *EXACT).stdout
+    return losses(out), valid_loss(out)
+
+
+def steps_of(log_dir, rank):
+    return [json.loads(line) for line in (log_dir / f"steps_rank{rank}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("phase", ["backward", "optimizer"])
+def test_sharded_run_equals_replicated_through_a_kill_and_a_rejoin(tmp_path, replicated, phase):
+    """Rank 1 (owner of the middle shard) is SIGKILLed at step 3 and restarted; the job waits for it
+    at step 5 (hold). "optimizer": it dies after the commit, so the survivors' parameter gather fails
+    and they regroup at once (its shard's update lives on in rank 2's copy)."""
+    logs = tmp_path / "logs"
+    out = run(tmp_path, 3, 1, *EXACT, "--mecefo-inject", f"kill:1:3:{phase}", "--mecefo-inject", "hold:1:5",
+              "--mecefo-log-dir", str(logs), "--mecefo-log-param-hash", launcher=["--restart-failed-after", "0"]).stdout
+    assert "optimizer state sharded over 3 replicas (shard_redundancy=neighbour)" in out
+    assert "cover 1->2" in out and "live 3/3" in out.split("cover 1->2")[-1], "degraded, then whole again"
+    ref_losses, ref_valid = replicated
+    got = losses(out)
+    assert sorted(got) == list(range(1, 9))
+    assert [got[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
+    assert valid_loss(out) == pytest.approx(ref_valid, rel=1e-5)
+    by_step = {}
+    for rank in range(3):
+        for rec in steps_of(logs, rank):
+            by_step.setdefault(rec["step"], set()).add(rec["param_sha256"])
+    assert sorted(by_step) == list(range(8))
+    assert all(len(hashes) == 1 for hashes in by_step.values()), "replicas hold bit-identical parameters every step"
+    events = [json.loads(line) for line in (logs / "events_rank0.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "gather_failed" for e in events) == (phase == "optimizer")
+
+
+def test_a_sharded_checkpoint_resumes_at_another_replica_count(tmp_path, replicated):
+    ckpt = tmp_path / "ckpt"
+    run(tmp_path, 3, 1, *EXACT, "--save", str(ckpt), "--save-interval", "4", iters=4)
+    files = sorted(p.name for p in (ckpt / "global_step4").glob("mecefo_optim_*.pt"))
+    assert len(files) == 3, files  # three shards, each written by its owner and its copy's holder
+    out = run(tmp_path, 2, 1, *EXACT, "--load", str(ckpt)).stdout
+    assert "starting at iteration 4" in out and "sharded over 2 replicas" in out
+    ref_losses, _ = replicated
+    got = losses(out)
+    assert [got[i] for i in range(5, 9)] == pytest.approx([ref_losses[i] for i in range(5, 9)], rel=1e-5)
+
+
+def test_a_shard_without_copy_ends_the_job_with_a_checkpoint_that_says_what_it_lacks(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = run(tmp_path, 3, 1, *EXACT, "--mecefo-shard-redundancy", "none", "--mecefo-inject", "kill:1:3",
+               "--save", str(ckpt), expect=3)
+    assert "the sharded optimizer state lost elements" in proc.stdout + proc.stderr
+    assert (ckpt / "global_step3").is_dir() and len(list((ckpt / "global_step3").glob("mecefo_optim_*.pt"))) == 2
+    resumed = run(tmp_path, 2, 1, *EXACT, "--load", str(ckpt), expect=2)
+    assert "this checkpoint cannot resume the optimizer" in resumed.stdout + resumed.stderr
