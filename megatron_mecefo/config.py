@@ -155,7 +155,7 @@ class MeCeFOConfig:
     inject: tuple = ()
     """Failure injection for tests and demos: a list of {"kind": "kill"|"hang"|"hold", "rank": R,
     "step": S (or "*": any step), "phase": "forward"|"backward"|"allreduce"|"optimizer"|"recovery"|
-    "join"|"transfer"|"admit", "incarnation": I (default 0: the first start)}; "hold" makes every
+    "join"|"transfer"|"admit"|"reshard", "incarnation": I (default 0: the first start)}; "hold" makes every
     rank wait at the start of step S until incarnation I (default 1) of rank R asks to rejoin.
     CLI: --mecefo-inject kill|hang:RANK:STEP[:PHASE[:INCARNATION]] or hold:RANK:STEP[:INCARNATION]
     (repeatable). A rank outside the job is refused at start (formats: elastic/inject.py)."""

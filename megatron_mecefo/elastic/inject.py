@@ -6,7 +6,9 @@
 runtime itself fires "allreduce", "recovery" (after the agreement on a new generation), "join" (a
 restarted rank, once admitted, before its generation forms) and "transfer" (every member of a
 generation that hands the state to joiners, between the size and the payload) and "admit" (every
-member, right after a commit decision that admits restarted ranks). A rule fires in the
+member, right after a commit decision that admits restarted ranks) and "reshard" (every member of
+a new generation with a sharded optimizer state, after the layout is shared and before the state
+and parameters move). A rule fires in the
 incarnation it names (0, the first start, by default; a restarted rank does not kill itself again
 unless a rule names its incarnation) at its step, or at any step with step "*":
 "kill" is SIGKILL (a crash), "hang" is SIGSTOP (alive but silent, heartbeat frozen).
@@ -36,7 +38,7 @@ __all__ = ["FaultInjector", "KINDS", "PHASES", "TraceEvent", "failure_trace", "t
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "join", "transfer", "admit")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "join", "transfer", "admit", "reshard")
 """Where a kill or hang fires (see the module docstring)."""
 
 KINDS = ("kill", "hang", "hold")

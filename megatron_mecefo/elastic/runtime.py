@@ -473,7 +473,8 @@ class ElasticRuntime:
                 if self.sharding is not None:
                     sharded = self.sharding.regroup(group, peers, [self.grid.replica_of(r) for r in peers],
                                                     [r for r in peers if r not in agreed.joiners], self.rank,
-                                                    replicas_total=self.grid.dp)
+                                                    replicas_total=self.grid.dp,
+                                                    midway=lambda: self.injector.maybe_fire(agreed.step, "reshard"))
                 if not self.membership.formed(generation, agreed.members):
                     raise MeCeFOError("another member's group or state transfer failed")
             except (GaveUp, JobFinished):  # JobAborted, or a shard of the optimizer state lost

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -231,12 +231,13 @@ class ShardedOptimizer:
     # -- a new generation ----------------------------------------------------------------------------
 
     def regroup(self, group, peers: Sequence[int], replicas: Sequence[int], holders: Sequence[int], rank: int,
-                replicas_total: int):
+                replicas_total: int, midway: Callable[[], None] = lambda: None):
         """Re-shard over the generation whose data-parallel group at this position is `group`.
 
         Call on every peer (in the group's order: `peers` global ranks, `replicas` their replica
         indices; `replicas_total`: D of the original job); `holders`: the peers holding the training
-        state (joiners do not). Moves state and
+        state (joiners do not); `midway` runs once the layout is shared, before anything moves (an
+        injection point). Moves state and
         parameters only; `install` makes the result current once the whole generation formed.
 
         Raises:
@@ -246,6 +247,7 @@ class ShardedOptimizer:
         me = peers.index(rank)
         donor = min(peers.index(h) for h in holders)
         old = self._share_layout(group, donor, me, replicas_total)
+        midway()
         new = ShardLayout(self.numel, tuple(sorted(replicas)), neighbour_copy=self.neighbour_copy)
         held_by = {replicas[peers.index(h)] for h in holders}
         mine = replicas[me]
