@@ -90,3 +90,40 @@ def test_a_shard_without_copy_ends_the_job_with_a_checkpoint_that_says_what_it_l
     assert (ckpt / "global_step3").is_dir() and len(list((ckpt / "global_step3").glob("mecefo_optim_*.pt"))) == 2
     resumed = run(tmp_path, 2, 1, *EXACT, "--load", str(ckpt), expect=2)
     assert "this checkpoint cannot resume the optimizer" in resumed.stdout + resumed.stderr
+
+
+@pytest.mark.parametrize("kind", ["kill", "hang"])
+def test_a_shard_owner_lost_while_the_survivors_re_shard(tmp_path, replicated, kind):
+    """4 replicas: rank 1 is SIGKILLed in step 3's backward, and rank 3 is killed (SIGKILL) or hung
+    (SIGSTOP) in the re-shard of the generation that would have covered it. That generation never
+    forms; the survivors (0 and 2) agree again and re-shard from the state they held before: rank
+    1's shard from its copy on 2, rank 3's from its copy on 0. One micro-batch per rank-step (k=3)
+    keeps the global batch of the 3-replica reference."""
+    logs = tmp_path / "logs"
+    out = run(tmp_path, 4, 1, *EXACT, "--micro-batch-size", "1", "--mecefo-collective-timeout-s", "5",
+              "--mecefo-inject", "kill:1:3:backward", "--mecefo-inject", f"{kind}:3:3:reshard",
+              "--mecefo-log-dir", str(logs)).stdout
+    assert "cover 1->2, 3->0" in out
+    events = [json.loads(line) for line in (logs / "events_rank0.jsonl").read_text().splitlines()]
+    assert [e["generation"] for e in events if e["event"] == "regroup_failed"] == [1]
+    ref_losses, _ = replicated
+    got = losses(out)
+    assert [got[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
+
+
+def test_pipeline_stages_shard_their_own_state_through_a_kill_and_a_rejoin(tmp_path):
+    """D = 2 x P = 2: each stage's data-parallel group shards that stage's optimizer state. Rank 0
+    (stage 0 of replica 0, the lead replica) is SIGKILLed in step 3's backward and restarted; its
+    replica retires, replica 1 covers on both stages, and the replica rejoins at step 5. The losses
+    are the replicated fault-free run's, and the checkpoint holds each stage's shards."""
+    layout = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--mecefo-collective-timeout-s", "5",
+              "--mecefo-agree-timeout-s", "20"]
+    ref = losses(run(tmp_path, 4, 0, *EXACT, *layout).stdout)
+    ckpt = tmp_path / "ckpt"
+    out = run(tmp_path, 4, 1, *EXACT, *layout, "--mecefo-inject", "kill:0:3:backward", "--mecefo-inject", "hold:0:5",
+              "--save", str(ckpt), launcher=["--restart-failed-after", "0"]).stdout
+    assert "cover 0->1" in out and "live 2/2" in out.split("cover 0->1")[-1]
+    got = losses(out)
+    assert [got[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
+    names = sorted(p.name.rsplit("_", 1)[0] for p in (ckpt / "global_step8").glob("mecefo_optim_*.pt"))
+    assert names == ["mecefo_optim_t0p0"] * 2 + ["mecefo_optim_t0p1"] * 2
