@@ -28,6 +28,14 @@ replicas at the job's per-replica batch.
     python benchmarks/convergence.py --seeds 1234 1235 1236 1237     # the README's numbers, ~32 min
 
 Both write benchmarks/results/convergence.{json,png}.
+
+    python benchmarks/convergence.py --shard-loss                     # ~16 min; convergence_shard_loss.json
+
+What `on_shard_loss: "reinit"` costs: the optimizer state sharded (ds_config zero stage 1) with no
+neighbour copy, so each kill loses the victim's shard, rebuilt with fresh moments and step count;
+one and two kills during the run, against the fault-free sharded run and against the same two kills
+with the neighbour copy (no state lost: what remains is the covering itself). The approximations
+are off in every run of this mode, so the difference is the lost optimizer state alone.
 """
 
 from __future__ import annotations
@@ -170,8 +178,14 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[1234, 1235],  # ~17 min; 4 seeds ~32 min
                    help="model-init and data-order seeds; fault-free and each scenario run once per seed, "
                         "the differences are paired per seed")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "convergence.json")
+    p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/convergence.json "
+                   "(convergence_shard_loss.json with --shard-loss)")
+    p.add_argument("--shard-loss", action="store_true", help="measure on_shard_loss \"reinit\" instead (see above)")
     args = p.parse_args(argv)
+    name = "convergence_shard_loss.json" if args.shard_loss else "convergence.json"
+    args.out = args.out or ROOT / "benchmarks" / "results" / name
+    if args.shard_loss:
+        return shard_loss(args)
     runs = {}
     scenarios = {name: (FRACTION[name], []) for name in FRACTION}
     # the high-rate trace with the covering rank's own micro-batches exact ("adopted")
@@ -244,6 +258,46 @@ def main(argv=None):
                       and k != "rel_grad_error_aggregated_by_replicas"}, indent=2))
     print("aggregated gradient error by simulated replicas:",
           {n: round(v["max_all"], 3) for n, v in out["rel_grad_error_aggregated_by_replicas"].items()})
+
+
+def shard_loss(args):
+    """Validation loss with the sharded optimizer state when shards are lost and rebuilt (reinit)."""
+    exact = ["--no-mecefo-skip-attention", "--no-mecefo-lowrank-ffn", "--mecefo-recompute-ffn", "never"]
+    third = args.iters // 3
+    one = [[3, third, third + args.recovery_steps]]
+    two = one + [[5, 2 * third, 2 * third + args.recovery_steps]]
+    reinit = ["--mecefo-shard-redundancy", "none", "--mecefo-on-shard-loss", "reinit"]
+    jobs = {"sharded_fault_free": ([], []), "neighbour_two_kills": (two, []),
+            "reinit_one_loss": (one, reinit), "reinit_two_losses": (two, reinit)}
+    runs = {}
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        cfg = d / "ds_zero1.json"
+        cfg.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95], "torch_adam": True}},
+                                   "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}}))
+        for seed in args.seeds:
+            for name, (events, extra) in jobs.items():
+                trace = ["--mecefo-trace", json.dumps({"events": events})] if events else []
+                r = runs.setdefault(name, {})[str(seed)] = run(
+                    args, d / f"{name}_{seed}", ["--deepspeed_config", str(cfg), *exact, *trace, *extra], seed)
+                r["events"] = events
+                r["shard_reinits"] = sum(1 for line in (d / f"{name}_{seed}" / "events_rank0.jsonl").read_text().splitlines()
+                                         if json.loads(line)["event"] == "shard_reinit")
+                print(f"seed {seed} {name}: val {r['val_loss']:.4f}, reinits {r['shard_reinits']} ({r['wall_s']:.0f} s)",
+                      flush=True)
+    ff = {seed: r["val_loss"] for seed, r in runs["sharded_fault_free"].items()}
+    diffs = {n: {seed: (r["val_loss"] - ff[seed]) / ff[seed] for seed, r in runs[n].items()} for n in runs if n != "sharded_fault_free"}
+    out = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/convergence.py --shard-loss",
+           "setup": {"job": "examples/pretrain_gpt/pretrain_gpt.py " + " ".join(MODEL + lr_flags(args)) + " (zero stage 1, "
+                     "approximations off)", "ranks": args.ranks, "iters": args.iters, "seeds": args.seeds,
+                     "global_batch_size": args.global_batch_size, "kills": {"one": one, "two": two}},
+           **{f"val_loss_{n}": sum(r["val_loss"] for r in runs[n].values()) / len(runs[n]) for n in runs},
+           **{f"rel_diff_{n}": sum(v.values()) / len(v) for n, v in diffs.items()},
+           **{f"rel_diff_{n}_per_seed": v for n, v in diffs.items()},
+           "runs": runs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(json.dumps({k: v for k, v in out.items() if k not in ("runs", "setup")}, indent=2))
 
 
 def plot(out, path):

@@ -26,6 +26,7 @@ __all__ = ["MeCeFOConfig", "LaunchEnv", "prepare_nccl_error_handling", "RECOMPUT
 RECOMPUTE_CHOICES = ("auto", "always", "never")
 APPROXIMATE_CHOICES = ("all", "adopted")
 SHARD_REDUNDANCY_CHOICES = ("neighbour", "none")
+SHARD_LOSS_CHOICES = ("give_up", "reinit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +120,12 @@ class MeCeFOConfig:
     sharded state's memory; no extra bytes moved per step), so a failed replica's shard is re-sharded
     from it; "none" keeps no copy (plain ZeRO-1 memory): losing a replica then loses its shard and
     the job ends with its last checkpoint."""
+    on_shard_loss: str = "give_up"
+    """When a range of the sharded optimizer state has no live holder left (its owner and the holder
+    of its copy failed in one step, or shard_redundancy is "none"): "give_up" ends the job with a
+    checkpoint (every holder writes its ranges); "reinit" rebuilds the range and goes on: its fp32
+    master from the parameters every replica holds, its moments zero and its step count 0 (the bias
+    correction of a fresh start, for that range only); the cost in loss is in docs/results.md."""
     collective_timeout_s: float = 60.0
     """Timeout of the data-parallel collectives, and of the tensor- and pipeline-parallel ones inside a
     replica: a hung rank stalls the others at most this long. Must exceed the longest normal wait at
@@ -180,6 +187,7 @@ class MeCeFOConfig:
         self._check_choice("recompute_ffn", RECOMPUTE_CHOICES)
         self._check_choice("approximate", APPROXIMATE_CHOICES)
         self._check_choice("shard_redundancy", SHARD_REDUNDANCY_CHOICES)
+        self._check_choice("on_shard_loss", SHARD_LOSS_CHOICES)
         for key in ("collective_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "agree_timeout_s", "join_timeout_s"):
             self._check_positive(key)
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
@@ -355,7 +363,7 @@ class MeCeFOConfig:
 # -- one source for the CLI help and the README's configuration reference ---------------------------
 
 _CHOICES = {"svd_method": SVD_METHODS, "recompute_ffn": RECOMPUTE_CHOICES, "approximate": APPROXIMATE_CHOICES,
-            "shard_redundancy": SHARD_REDUNDANCY_CHOICES}
+            "shard_redundancy": SHARD_REDUNDANCY_CHOICES, "on_shard_loss": SHARD_LOSS_CHOICES}
 _FLAG_KINDS = {"enable": "store_true", "log_param_hash": "bool", "log_dir": "str", "store": "str",
                "restart_failed_after": "float"}
 

@@ -333,7 +333,7 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
         tp_rank, pp_rank = Grid(tp=tensor_parallel, pp=pipeline_parallel,
                                 dp=job.world // (tensor_parallel * pipeline_parallel)).position(job.rank)
         shards = ShardedOptimizer(innermost_optimizer(engine.optimizer), tag=f"t{tp_rank}p{pp_rank}",
-                                  neighbour_copy=cfg.shard_redundancy == "neighbour")
+                                  neighbour_copy=cfg.shard_redundancy == "neighbour", on_loss=cfg.on_shard_loss)
     save_shards = None
     if shards is not None and save_dir is not None:
         save_shards = lambda: shards.save(os.path.join(save_dir, f"global_step{engine.global_steps}"))  # noqa: E731

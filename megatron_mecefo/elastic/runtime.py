@@ -494,6 +494,11 @@ class ElasticRuntime:
             self._load_state(payload, agreed.step)
         if self.sharding is not None:
             self.sharding.install(sharded)
+            lost = [list(r) for r in self.sharding.last_reshard.lost]
+            if lost:  # on_shard_loss "reinit": these ranges' moments and step count restarted
+                self.log.warning("optimizer state %s had no live holder: rebuilt (moments and step restarted)", lost)
+                self.events.write("shard_reinit", generation=generation, step=agreed.step, ranges=lost,
+                                  elements=sum(b - a for a, b in lost), of=self.sharding.numel)
         self.group, self.generation, self.members, self._cover = group, generation, list(agreed.members), cover
         self.step = agreed.step
         approximate = self.cfg.approximate if self._approximations_on() else "none"

@@ -72,15 +72,19 @@ def _probe(optimizer: torch.optim.Optimizer) -> Tuple[List[str], Dict[str, torch
 
 @dataclasses.dataclass
 class _Held:
-    """One held range: its fp32 master, per-element state and scalars, and the optimizer over them."""
+    """One held range: its fp32 master, per-element state, and the optimizer over views of them.
+
+    The optimizer's scalars (AdamW: "step") are per segment: a range rebuilt after a loss
+    (`on_shard_loss: "reinit"`) restarts at step 0 while the rest of the range goes on."""
 
     start: int
     end: int
     master: torch.Tensor
     state: Dict[str, torch.Tensor]
     scalars: Dict[str, torch.Tensor]
-    pieces: List[Tuple[int, int, int]]
-    """(host param group, flat start, flat end) of the range, per group it meets."""
+    """Per element while the range is being filled (a re-shard); `_bind` makes segments of them."""
+    parts: List[Tuple[torch.nn.Parameter, int, int, int]] = dataclasses.field(default_factory=list)
+    """(the optimizer's parameter: a view of the master, host param group, flat start, flat end)."""
     inner: Optional[torch.optim.Optimizer] = None
 
     def nbytes(self) -> int:
@@ -90,8 +94,13 @@ class _Held:
 class ShardedOptimizer:
     """ZeRO-1 for `optimizer` (see the module docstring). Replaces `optimizer.step`."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, neighbour_copy: bool = True, tag: str = "t0p0") -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, neighbour_copy: bool = True, tag: str = "t0p0",
+                 on_loss: str = "give_up") -> None:
+        if on_loss not in ("give_up", "reinit"):
+            raise ValueError(f"on_loss must be give_up or reinit, got {on_loss!r}")
         self.optimizer = optimizer
+        self.on_loss = on_loss
+        """A range with no live holder: "give_up" (ShardLost) or "reinit" (its moments and step restart)."""
         self.tag = tag
         """The (tp, pp) position whose state this is (in the shard files' names)."""
         self.neighbour_copy = neighbour_copy
@@ -129,7 +138,7 @@ class ShardedOptimizer:
             raise RuntimeError("the sharded optimizer steps only inside a generation (after the runtime's start)")
         self.gather_error = None
         for held in self.held.values():
-            if held.inner is not None:
+            if held.parts:
                 self._update(held)
         try:
             self._gather()
@@ -138,15 +147,14 @@ class ShardedOptimizer:
         return None
 
     def _update(self, held: _Held) -> None:
-        for j, (g, lo, hi) in enumerate(held.pieces):
+        for j, (m, g, lo, hi) in enumerate(held.parts):
             group = held.inner.param_groups[j]
             for k, v in self.optimizer.param_groups[g].items():
                 if k != "params":
                     group[k] = v
-            group["params"][0].grad = self._read(lo, hi, grad=True)
+            m.grad = self._read(lo, hi, grad=True)
         held.inner.step()
-        for j, (g, lo, hi) in enumerate(held.pieces):
-            m = held.inner.param_groups[j]["params"][0]
+        for m, g, lo, hi in held.parts:
             m.grad = None
             st = held.inner.state[m]
             for k in self.keys:  # the optimizer must update the views in place (torch's do)
@@ -194,31 +202,40 @@ class ShardedOptimizer:
     # -- held ranges --------------------------------------------------------------------------------
 
     def _new_held(self, start: int, end: int) -> _Held:
-        pieces = [(g, max(start, lo), min(end, hi)) for g, (lo, hi) in enumerate(self.group_bounds)
-                  if max(start, lo) < min(end, hi)]
-        return _Held(start, end, self._read(start, end), {k: torch.zeros(end - start) for k in self.keys},
-                     {k: v.clone() for k, v in self.fresh_scalars.items()}, pieces)
+        n = end - start
+        return _Held(start, end, self._read(start, end), {k: torch.zeros(n) for k in self.keys},
+                     {k: torch.full((n,), float(v)) for k, v in self.fresh_scalars.items()})
 
     def _bind(self, held: _Held) -> None:
-        """The host class's optimizer over views of the held range, one param group per host group."""
-        groups, views = [], []
-        for g, lo, hi in held.pieces:
-            m = torch.nn.Parameter(held.master[lo - held.start:hi - held.start])
-            hyper = {k: v for k, v in self.optimizer.param_groups[g].items() if k != "params"}
-            groups.append({"params": [m], **hyper})
-            views.append((m, lo, hi))
+        """The host class's optimizer over views of the held range: one param group per (host param
+        group, segment of equal scalars), with the host group's hyperparameters."""
+        groups = []
+        for a, b in _segments(held.scalars, held.start, held.end - held.start):
+            for g, (lo, hi) in enumerate(self.group_bounds):
+                lo, hi = max(a, lo), min(b, hi)
+                if lo >= hi:
+                    continue
+                m = torch.nn.Parameter(held.master[lo - held.start:hi - held.start])
+                hyper = {k: v for k, v in self.optimizer.param_groups[g].items() if k != "params"}
+                groups.append({"params": [m], **hyper})
+                held.parts.append((m, g, lo, hi))
         held.inner = type(self.optimizer)(groups) if groups else None
-        for m, lo, hi in views:
+        for m, g, lo, hi in held.parts:
             st = {k: held.state[k][lo - held.start:hi - held.start] for k in self.keys}
-            st.update({k: v.clone() for k, v in held.scalars.items()})
+            st.update({k: torch.full_like(v, float(held.scalars[k][lo - held.start]))
+                       for k, v in self.fresh_scalars.items()})
             held.inner.state[m] = st
+        held.scalars = {}  # from now on the optimizer's state holds them
 
-    def _scalars_of(self, held: _Held) -> Dict[str, torch.Tensor]:
-        """The scalars as the optimizer keeps them now (they move in lockstep over every range)."""
-        if held.inner is None or not held.pieces:
-            return held.scalars
-        m = held.inner.param_groups[0]["params"][0]
-        return {k: held.inner.state[m][k] for k in held.scalars}
+    def _scalar_elems(self, held: _Held, start: int, end: int) -> List[torch.Tensor]:
+        """The scalars of [start, end) per element, as the optimizer keeps them now."""
+        out = [torch.zeros(end - start) for _ in self.fresh_scalars]
+        for m, g, lo, hi in held.parts:
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                for i, k in enumerate(self.fresh_scalars):
+                    out[i][a - start:b - start] = float(held.inner.state[m][k])
+        return out
 
     def nbytes(self) -> int:
         """Bytes of optimizer state this rank holds (masters, per-element state) now."""
@@ -255,38 +272,31 @@ class ShardedOptimizer:
             plan = _whole_plan(new, held_by)
         else:
             plan = reshard(old, new, held_by)
-        if plan.lost:
+        if plan.lost and self.on_loss != "reinit":
             lost = ", ".join(f"[{a}, {b})" for a, b in plan.lost)
             raise ShardLost(f"the sharded optimizer state lost elements {lost} of {self.numel}: their owner and the "
                             "holder of their copy failed together (or shard_redundancy is \"none\"); the job ends with "
-                            "the last checkpoint")
+                            "the last checkpoint (on_shard_loss: \"reinit\" rebuilds such ranges instead)")
         if old is not None:
             self._sync_parameters(group, old, held_by, replicas)
         fresh = {into: self._new_held(a, b) for into, (a, b) in new.held(mine).items()}
-        scalars = None
+        width = len(self.keys) + len(self.fresh_scalars)
         work = []
         for tag, mv in enumerate(plan.moves):
             if mv.src == mine:
-                payload = torch.cat([self._state_slice(mv.start, mv.end, old is None)] + [
-                    s.reshape(1).float() for s in self._current_scalars(old is None).values()])
+                payload = self._slice(mv.start, mv.end, whole=old is None)
                 if mv.local:
                     self._fill(fresh[mv.into], mv, payload)
-                    scalars = payload if scalars is None else scalars
                 else:  # the payload stays referenced until the send completed
                     work.append((group.send([payload], replicas.index(mv.dst), tag), None, payload))
             elif mv.dst == mine:
-                buf = torch.empty((mv.end - mv.start) * len(self.keys) + len(self.fresh_scalars))
+                buf = torch.empty((mv.end - mv.start) * width)
                 work.append((group.recv([buf], replicas.index(mv.src), tag), mv, buf))
         for w, mv, buf in work:
             w.wait()
             if mv is not None:
                 self._fill(fresh[mv.into], mv, buf)
-                scalars = scalars if scalars is not None else buf
-        for held in fresh.values():
-            if scalars is not None:
-                tail = scalars[scalars.numel() - len(self.fresh_scalars):]
-                for (k, v), x in zip(self.fresh_scalars.items(), tail):
-                    held.scalars[k] = torch.full_like(v, float(x))
+        for held in fresh.values():  # a lost range (reinit) keeps its fresh state: zeros, step 0
             self._bind(held)
         return new, mine, fresh, plan, group, list(replicas)
 
@@ -311,36 +321,38 @@ class ShardedOptimizer:
         return ShardLayout(self.numel, tuple(live), neighbour_copy=self.neighbour_copy)
 
     def _sync_parameters(self, group, old: ShardLayout, held_by, replicas: Sequence[int]) -> None:
-        """Every old shard's parameters from a surviving holder (its owner, else its copy's holder) to
-        every peer: after a gather that a death cut short, no rank keeps a half-updated model."""
+        """Every old shard's parameters from a surviving holder (its owner, else its copy's holder, else
+        the lowest survivor) to every peer: after a gather that a death cut short, no rank keeps a
+        half-updated model."""
         from megatron_mecefo.elastic import groups
 
         for owner in old.live:
             a, b = old.shard(owner)
             holder = owner if owner in held_by else old.copy_holder(owner)
+            if holder not in held_by:  # lost (reinit): any one survivor's values, the same everywhere
+                holder = min(held_by)
             buf = self._read(a, b) if holder == self.replica else torch.empty(b - a)
             groups.broadcast_(group, buf, replicas.index(holder))
             if holder != self.replica:
                 self._write(a, buf)
 
-    def _state_slice(self, start: int, end: int, whole: bool) -> torch.Tensor:
-        """The per-element state of [start, end), key after key, from what this rank holds."""
+    def _slice(self, start: int, end: int, whole: bool) -> torch.Tensor:
+        """What a move of [start, end) carries: the per-element state key after key, then the
+        scalars per element, from what this rank holds."""
         if whole:
-            return self._whole_state(start, end)
+            return torch.cat([self._whole_state(start, end)] + self._whole_scalar_elems(start, end))
         for held in self.held.values():
             if held.start <= start and end <= held.end:
-                return torch.cat([held.state[k][start - held.start:end - held.start] for k in self.keys])
+                return torch.cat([held.state[k][start - held.start:end - held.start] for k in self.keys]
+                                 + self._scalar_elems(held, start, end))
         raise RuntimeError(f"[{start}, {end}) is not held here: the re-shard plan and the held ranges disagree")
 
-    def _current_scalars(self, whole: bool) -> Dict[str, torch.Tensor]:
-        if whole:
-            return self._whole_scalars()
-        return self._scalars_of(self.held["shard"])
-
     def _fill(self, held: _Held, mv, payload: torch.Tensor) -> None:
-        n = mv.end - mv.start
+        n, at = mv.end - mv.start, slice(mv.start - held.start, mv.end - held.start)
         for i, k in enumerate(self.keys):
-            held.state[k][mv.start - held.start:mv.end - held.start] = payload[i * n:(i + 1) * n]
+            held.state[k][at] = payload[i * n:(i + 1) * n]
+        for i, k in enumerate(self.fresh_scalars, start=len(self.keys)):
+            held.scalars[k][at] = payload[i * n:(i + 1) * n]
 
     # -- the whole state (before the first generation): the host optimizer's, or shard files -------
 
@@ -357,14 +369,22 @@ class ShardedOptimizer:
             out.append(flat)
         return torch.cat(out)
 
-    def _whole_scalars(self) -> Dict[str, torch.Tensor]:
+    def _whole_scalar_elems(self, start: int, end: int) -> List[torch.Tensor]:
+        out = [torch.full((end - start,), float(v)) for v in self.fresh_scalars.values()]
         if self._source is not None:
-            return torch.load(self._source[0][2], weights_only=True)["scalars"]
-        for p in self.params:
+            for a, b, path in self._source:
+                for seg_a, seg_b, values in torch.load(path, weights_only=True, mmap=True)["segments"]:
+                    lo, hi = max(start, seg_a), min(end, seg_b)
+                    if lo < hi:
+                        for i, k in enumerate(self.fresh_scalars):
+                            out[i][lo - start:hi - start] = float(values[k])
+            return out
+        for p, sl, at in self._spans(start, end):
             st = self.optimizer.state.get(p)
             if st:
-                return {k: torch.as_tensor(st[k]).clone() for k in self.fresh_scalars}
-        return dict(self.fresh_scalars)
+                for i, k in enumerate(self.fresh_scalars):
+                    out[i][at:at + sl.stop - sl.start] = float(st[k])
+        return out
 
     def _file_slice(self, key: str, start: int, end: int) -> torch.Tensor:
         out, covered = torch.zeros(end - start), start
@@ -385,8 +405,10 @@ class ShardedOptimizer:
         for held in self.held.values():
             path = os.path.join(directory, SHARD_FILE.format(tag=self.tag, start=held.start, end=held.end))
             tmp = f"{path}.tmp{os.getpid()}"
+            segments = [(lo, hi, {k: float(held.inner.state[m][k]) for k in self.fresh_scalars})
+                        for m, g, lo, hi in held.parts]
             torch.save({"numel": self.numel, "start": held.start, "end": held.end, "keys": self.keys,
-                        "state": dict(held.state), "scalars": self._scalars_of(held)}, tmp)
+                        "state": dict(held.state), "segments": segments}, tmp)
             os.replace(tmp, path)
             paths.append(path)
         return paths
@@ -414,6 +436,18 @@ class ShardedOptimizer:
             raise ValueError(f"{directory}: the optimizer shard files cover [0, {reach}) of {self.numel} elements "
                              "(a range was lost when the job ended); this checkpoint cannot resume the optimizer")
         self._source = files
+
+
+def _segments(scalars: Dict[str, torch.Tensor], start: int, n: int) -> List[Tuple[int, int]]:
+    """Maximal runs of the n elements from `start` with equal scalars (per element), as [a, b)."""
+    if n == 0:
+        return []
+    if not scalars:
+        return [(start, start + n)]
+    stacked = torch.stack(list(scalars.values()))
+    cuts = (stacked[:, 1:] != stacked[:, :-1]).any(0).nonzero().flatten().tolist()
+    bounds = [0] + [c + 1 for c in cuts] + [n]
+    return [(start + a, start + b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _whole_plan(new: ShardLayout, held_by) -> Reshard:

@@ -54,14 +54,14 @@ def group_of(store, generation, peers, rank):
     return dist.ProcessGroupGloo(prefix, peers.index(rank), len(peers), timedelta(seconds=30))
 
 
-def worker(rank, port, schedule, load, save, start_step, out):
+def worker(rank, port, schedule, load, save, start_step, out, on_loss="give_up"):
     """`schedule`: [(live ranks, steps)], one generation each; a rank not live in a generation is
     gone and comes back without state (a joiner). `load`/`save`: shard files to start from / to
     write at the end. Writes its parameters after every step."""
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
     m = model()
-    sharded = ShardedOptimizer(optimizer(m))
+    sharded = ShardedOptimizer(optimizer(m), on_loss=on_loss)
     if load:
         sharded.load(load)
         with torch.no_grad():  # the module of the checkpoint (every replica loads it)
@@ -70,7 +70,7 @@ def worker(rank, port, schedule, load, save, start_step, out):
     params, step, record = list(m.parameters()), start_step, {}
     for generation, (live, steps) in enumerate(schedule):
         if rank not in live:
-            sharded = ShardedOptimizer(optimizer(m))  # its state is gone with it
+            sharded = ShardedOptimizer(optimizer(m), on_loss=on_loss)  # its state is gone with it
             step += steps
             continue
         previous = schedule[generation - 1][0] if generation else live
@@ -82,6 +82,7 @@ def worker(rank, port, schedule, load, save, start_step, out):
             record["lost"] = str(e)
             break
         sharded.install(pending)
+        record.setdefault("lost_ranges", []).extend(sharded.last_reshard.lost)
         for _ in range(steps):
             for group_ in sharded.optimizer.param_groups:
                 group_["lr"] = 1e-2 if step < 3 else 5e-3
@@ -99,12 +100,12 @@ def worker(rank, port, schedule, load, save, start_step, out):
     torch.save(record, os.path.join(out, f"rank{rank}.pt"))
 
 
-def run(out, schedule, world=4, load=None, save=None, start_step=0):
+def run(out, schedule, world=4, load=None, save=None, start_step=0, on_loss="give_up"):
     out.mkdir(parents=True, exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, schedule, load, save, start_step, str(out)), nprocs=world, join=True)
+    mp.spawn(worker, args=(port, schedule, load, save, start_step, str(out), on_loss), nprocs=world, join=True)
     return {r: torch.load(out / f"rank{r}.pt") for r in range(world)}
 
 
@@ -132,3 +133,37 @@ def test_two_adjacent_replicas_gone_lose_a_shard_everywhere(tmp_path):
     records = run(tmp_path, [([0, 1, 2, 3], 1), ([0, 3], 1)])
     for rank in (0, 3):
         assert "lost" in records[rank] and "[" in records[rank]["lost"]
+
+
+def test_reinit_restarts_only_the_lost_range_as_a_fresh_adamw(tmp_path):
+    """on_loss "reinit": replicas 1 and 2 gone together after step 1 lose replica 1's shard (its
+    copy was on 2). Outside it the survivors go on exactly as the replicated AdamW; inside it as a
+    fresh AdamW started from the parameters of that moment (moments zero, step 0: the bias
+    correction of a fresh start); and through a checkpoint of mixed step counts too."""
+    ckpt = str(tmp_path / "ckpt")
+    records = run(tmp_path / "a", [([0, 1, 2, 3], 2), ([0, 3], 3)], on_loss="reinit", save=ckpt)
+    ref = reference(5)
+    m = model()
+    with torch.no_grad():
+        for p, v in zip(m.parameters(), torch.split(ref[1], [p.numel() for p in m.parameters()])):
+            p.copy_(v.view_as(p))
+    fresh = optimizer(m)
+    restarted = {}
+    for s in range(2, 8):
+        for group in fresh.param_groups:
+            group["lr"] = 1e-2 if s < 3 else 5e-3
+        grads_of_step(m, s)
+        fresh.step()
+        restarted[s] = torch.cat([p.detach().reshape(-1).clone() for p in m.parameters()])
+    (a, b), = records[0]["lost_ranges"]
+    assert (a, b) == records[3]["lost_ranges"][0] and 0 < a < b < ref[0].numel()
+    for rank in (0, 3):
+        for s in range(2, 5):
+            got = records[rank][s]
+            assert torch.equal(got[:a], ref[s][:a]) and torch.equal(got[b:], ref[s][b:]), (rank, s)
+            assert torch.equal(got[a:b], restarted[s][a:b]), (rank, s)
+    resumed = run(tmp_path / "b", [([0, 1, 2], 3)], world=3, load=ckpt, start_step=5)
+    full = reference(8)
+    for s in range(5, 8):
+        got = resumed[0][s]
+        assert torch.equal(got[:a], full[s][:a]) and torch.equal(got[a:b], restarted[s][a:b]), s
