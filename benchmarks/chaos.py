@@ -1,7 +1,7 @@
 """Chaos benchmark: many seeded random failure schedules against the toy runtime job and against
 examples/pretrain_gpt, each checked against the invariants of megatron_mecefo.elastic.chaos.
 
-    python benchmarks/chaos.py                       # 200 toy + 20 pretrain_gpt + 10 layout schedules (~1.2 h)
+    python benchmarks/chaos.py                       # 200 toy + 20 pretrain_gpt + 10 layout + 40 sharded (~1.3 h)
     python benchmarks/chaos.py --toy 20 --pretrain 2 # a quick look
     python benchmarks/chaos.py --toy-seeds 17 42 --pretrain 0   # rerun given seeds (a kind with no
                                                      # schedules keeps its results in the JSON)
@@ -10,7 +10,10 @@ Writes benchmarks/results/chaos.json: per job kind the number of schedules, how 
 how many gave up cleanly, the violations (must be 0; each with its seed and the exact
 --mecefo-inject flags), the injected faults that fired, and the slowest recovery observed
 (detection to a new working generation, from the ranks' regroup events). "layouts" runs
-examples/pretrain_gpt on 4 ranks as D=2 x T=2 (even seeds) and D=2 x P=2 (odd seeds).
+examples/pretrain_gpt on 4 ranks as D=2 x T=2 (even seeds) and D=2 x P=2 (odd seeds). "sharded"
+runs the toy job with its Adam state sharded over the live replicas (ZeRO-1, neighbour copies): on
+top of the toy's invariants, every element of the state is held by a finished rank and equals the
+fault-free run's, or the job gave up cleanly (a shard whose owner and copy holder failed together).
 """
 
 from __future__ import annotations
@@ -51,10 +54,10 @@ def run_many(kind: str, seeds, work: Path, world_of, steps: int) -> dict:
         schedule = (layout_schedule if kind == "layouts" else chaos.random_schedule)(seed, world, steps)
         out = work / f"{kind}-{seed}"
         shutil.rmtree(out, ignore_errors=True)
-        if kind == "toy":
+        if kind in ("toy", "sharded"):
             if world not in refs:
                 refs[world] = chaos_util.toy_reference(work / f"ref{world}", world)
-            outcome, bad, result = chaos_util.run_toy(schedule, out, refs[world])
+            outcome, bad, result = chaos_util.run_toy(schedule, out, refs[world], sharded=kind == "sharded")
         else:
             outcome, bad, result = chaos_util.run_pretrain(schedule, out)
         summary["schedules"] += 1
@@ -86,12 +89,15 @@ def main(argv=None) -> int:
     p.add_argument("--pretrain-seeds", type=int, nargs="*", default=None)
     p.add_argument("--layouts", type=int, default=10, help="pretrain_gpt schedules on T=2 / P=2 layouts")
     p.add_argument("--layout-seeds", type=int, nargs="*", default=None)
+    p.add_argument("--sharded", type=int, default=40, help="sharded toy schedules (seeds 1000..1000+N-1)")
+    p.add_argument("--sharded-seeds", type=int, nargs="*", default=None)
     p.add_argument("--pretrain-steps", type=int, default=150)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chaos.json")
     args = p.parse_args(argv)
     toy_seeds = args.toy_seeds if args.toy_seeds is not None else range(args.toy)
     pre_seeds = args.pretrain_seeds if args.pretrain_seeds is not None else range(args.pretrain)
     layout_seeds = args.layout_seeds if args.layout_seeds is not None else range(args.layouts)
+    sharded_seeds = args.sharded_seeds if args.sharded_seeds is not None else range(1000, 1000 + args.sharded)
     t0 = time.monotonic()
     # a kind run with 0 schedules keeps its results from an earlier run (to rerun one kind only)
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
@@ -122,10 +128,19 @@ def main(argv=None) -> int:
                 "wall_s": round(time.monotonic() - t2, 1)}
         else:
             results["layouts"] = old["layouts"]
+        t3 = time.monotonic()
+        if len(sharded_seeds) or "sharded" not in old:
+            results["sharded"] = run_many("sharded", sharded_seeds, work, lambda s: 2 + s % 3, chaos_util.TOY["steps"])
+            results["settings"]["sharded"] = {**chaos_util.TOY, **chaos_util.TOY_TIMEOUTS, "ranks": "2-4",
+                                              "optimizer": "Adam sharded over the live replicas, neighbour copies, "
+                                              "on_shard_loss give_up", "approximations": "off (exact fold)",
+                                              "wall_s": round(time.monotonic() - t3, 1)}
+        else:
+            results["sharded"] = old["sharded"]
     results["settings"].pop("wall_s", None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    total = sum(results[kind]["violations"] for kind in ("toy", "pretrain_gpt", "layouts"))
+    total = sum(results[kind]["violations"] for kind in ("toy", "pretrain_gpt", "layouts", "sharded"))
     print(json.dumps({k: {x: v for x, v in r.items() if x != "failures"} for k, r in results.items() if k != "settings"},
                      indent=2))
     print(f"wrote {args.out}")

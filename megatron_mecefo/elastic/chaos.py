@@ -262,6 +262,9 @@ def check_run(result: RunResult, log_dir: Path, schedule: Schedule, *, k: int, b
                 bad.append(f"gave up for no cover although survivors {e['members']} can be covered")
             except NoCoverAvailable:
                 pass
+        elif e["kind"] == "ShardLost":  # sharded state: owner and copy holder failed together
+            if sum(f.kind in ("kill", "hang") for f in schedule.faults) < 2:
+                bad.append(f"lost a shard of the optimizer state with fewer than two failures: {e['reason']}")
         elif e["kind"] != "StateLost":
             bad.append(f"gave up for {e['kind']}: {e['reason']}")
     # a checkpoint is owed when a rank of a whole surviving replica held the state (a replica that lost

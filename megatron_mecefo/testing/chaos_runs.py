@@ -41,11 +41,13 @@ def toy_bound(schedule: chaos.Schedule) -> float:
                             fault_free_s=20.0, **{k: v for k, v in TOY_TIMEOUTS.items() if k != "heartbeat_interval_s"})
 
 
-def run_toy(schedule: chaos.Schedule, out: Path, reference: Optional[dict], step_sleep: float = TOY["step_sleep"]) -> tuple:
-    """Run one schedule on the toy job; returns (outcome, violations, result)."""
+def run_toy(schedule: chaos.Schedule, out: Path, reference: Optional[dict], step_sleep: float = TOY["step_sleep"],
+            sharded: bool = False) -> tuple:
+    """Run one schedule on the toy job (`sharded`: the Adam state sharded with neighbour copies);
+    returns (outcome, violations, result)."""
     script = [str(TOY_SCRIPT), "--out", str(out), "--steps", str(schedule.steps),
               "--k", str(TOY["k"]), "--mb", str(TOY["mb"]), "--step-sleep", str(step_sleep),
-              *EXACT, *timeout_flags(TOY_TIMEOUTS)]
+              *EXACT, *timeout_flags(TOY_TIMEOUTS), *(["--sharded"] if sharded else [])]
     bound = toy_bound(schedule) + 2 * step_sleep * TOY["k"] * schedule.steps
     result = chaos.run_schedule(schedule, script, out, limit_s=bound + 60, cwd=str(ROOT))
     outcome, bad = chaos.check_run(result, out, schedule, k=TOY["k"], bound_s=bound)
@@ -75,6 +77,30 @@ def _toy_finals(out: Path, schedule: chaos.Schedule, reference: dict) -> List[st
         if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
             bad.append(f"final parameters differ from the fault-free run (max abs diff {(a - b).abs().max():.3g})")
             break
+    if first.get("shards") is not None:
+        bad += _sharded_finals(finals, reference)
+    return bad
+
+
+def _sharded_finals(finals: dict, reference: dict) -> List[str]:
+    """A sharded run: every element of the Adam state is held by a finished rank (the job never
+    loses a range and goes on: give_up is the policy here), and every held copy equals the
+    fault-free run's state there."""
+    ref_state = list(reference["opt"]["state"].values())
+    flat = {k: torch.cat([s[k].reshape(-1) for s in ref_state]) for k in ("exp_avg", "exp_avg_sq")}
+    step = float(ref_state[0]["step"])
+    numel = flat["exp_avg"].numel()
+    covered, bad = torch.zeros(numel, dtype=torch.bool), []
+    for path, f in finals.items():
+        for start, end, state, steps in f["shards"]:
+            covered[start:end] = True
+            for k in flat:
+                if not torch.allclose(state[k], flat[k][start:end], rtol=1e-5, atol=1e-7):
+                    bad.append(f"{path.name}: its {k} of [{start}, {end}) differs from the fault-free run")
+            if not bool((steps == step).all()):
+                bad.append(f"{path.name}: step counts of [{start}, {end}) are not the fault-free {step:g}")
+    if not bool(covered.all()):
+        bad.append(f"{int((~covered).sum())} of {numel} elements of the Adam state are held by no finished rank")
     return bad
 
 

@@ -56,6 +56,8 @@ def parse():
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of fake compute per micro-batch")
     p.add_argument("--late-rank", type=int, default=-1,
                    help="this rank starts once the others have agreed on generation 0 without it (a late starter)")
+    p.add_argument("--sharded", action="store_true",
+                   help="ZeRO-1: the Adam state sharded over the live replicas (elastic/zero.py, shard_redundancy)")
     p.add_argument("--skip-micro-batch", default=None, metavar="RANK:STEP",
                    help="a buggy loop: this rank leaves out its last micro-batch at this step")
     MeCeFOConfig.add_cli_args(p)
@@ -107,6 +109,11 @@ def main():
     cfg = MeCeFOConfig.from_args(args, {"log_dir": str(args.out)})
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sharded = None
+    if args.sharded:
+        from megatron_mecefo.elastic.zero import ShardedOptimizer
+
+        sharded = ShardedOptimizer(opt, neighbour_copy=cfg.shard_redundancy == "neighbour", on_loss=cfg.on_shard_loss)
 
     def save_checkpoint():  # the runtime calls it on one state holder when the job gives up
         path = args.out / f"checkpoint_rank{rank}.pt"
@@ -116,6 +123,7 @@ def main():
     rt = ElasticRuntime(cfg, rank=rank, world=world, store_host=env.master_addr, store_port=env.master_port,
                         job_id=env.job_id, max_restarts=env.max_restarts, micro_batches=args.k,
                         incarnation=env.incarnation, train_iters=args.steps, save_checkpoint=save_checkpoint,
+                        sharding=sharded,
                         state=(lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
                                lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"]))))
     step = 0
@@ -143,6 +151,8 @@ def main():
                 rt.injector.maybe_fire(step, "optimizer")
                 opt.step()
                 step += 1
+                if sharded is not None and sharded.gather_error is not None:  # a peer died after the commit
+                    rt.regroup_after_commit(sharded.gather_error)
     except JobFinished as e:
         print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
         return
@@ -150,8 +160,12 @@ def main():
         where = f" Checkpoint saved to {e.checkpoint}" if e.checkpoint else ""
         print(f"MeCeFO: cannot continue: {e}.{where}", file=sys.stderr, flush=True)
         sys.exit(GAVE_UP_EXIT_CODE)
+    shards = None
+    if sharded is not None:  # what this rank holds: (start, end, per-element state, step per element)
+        shards = [(h.start, h.end, {k: h.state[k].clone() for k in sharded.keys},
+                   sharded._scalar_elems(h, h.start, h.end)[0]) for h in sharded.held.values()]
     torch.save({"params": [p.detach() for p in model.parameters()], "opt": opt.state_dict(), "step": step,
-                "generation": rt.generation}, args.out / f"final_rank{rank}.pt")
+                "generation": rt.generation, "shards": shards}, args.out / f"final_rank{rank}.pt")
     rt.close()
 
 

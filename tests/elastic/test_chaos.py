@@ -221,3 +221,37 @@ def test_compound_schedule(tmp_path, toy_references, name):
         assert "StateLost" in kinds, kinds
     else:
         assert outcome == "finished" and fired == len(schedule.faults) - len(holds)
+
+
+SHARDED = {
+    # A shard owner dies after the commit (the survivors' parameter gather fails and they regroup at
+    # once); its restarted incarnation dies again while its admission re-shards (receiving its
+    # shard and copy): that generation never forms, the survivors go on from the state they held,
+    # and the next incarnation is admitted.
+    "gather_then_reshard_during_the_rejoin": Schedule(2001, 4, 24, (
+        Fault("kill", 1, 4, "optimizer"), _hold(1, 8), Fault("kill", 1, "*", "reshard", 1), _hold(1, 14, 2)), 0.3),
+    # Two neighbours die in one step: the shard whose owner and copy holder are both gone is lost,
+    # and with on_shard_loss "give_up" the job ends cleanly (never trains on a partial state).
+    "two_neighbours_in_one_step": Schedule(2002, 4, 24, (
+        Fault("kill", 1, 5, "backward"), Fault("kill", 2, 5, "backward")), None),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+@pytest.mark.parametrize("name", sorted(SHARDED))
+def test_sharded_compound_schedule(tmp_path, toy_references, name):
+    """The toy job with its Adam state sharded (neighbour copies): the chaos invariants, and every
+    element of the state held by a finished rank and equal to the fault-free run's."""
+    schedule = SHARDED[name]
+    outcome, bad, result = chaos_util.run_toy(schedule, tmp_path, toy_references[schedule.world], sharded=True)
+    assert not bad, f"{schedule.describe()}\n" + "\n".join(bad) + "\n" + result.stderr[-4000:]
+    if name == "gather_then_reshard_during_the_rejoin":
+        assert outcome == "finished"
+        assert [e["step"] for e in chaos.events(tmp_path, 4, "gather_failed") if e["rank"] == 0] == [4]
+        failed = [e for e in chaos.events(tmp_path, 4, "regroup_failed") if e["rank"] == 0]
+        assert [e["joiners"] for e in failed] == [[1]], "the admission that lost its joiner mid re-shard"
+        assert "rank 1: kill at step" in result.stderr and "(reshard)" in result.stderr
+    else:
+        assert outcome == "gave_up"
+        assert "the sharded optimizer state lost elements" in result.stderr
