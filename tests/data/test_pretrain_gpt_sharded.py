@@ -127,3 +127,23 @@ def test_pipeline_stages_shard_their_own_state_through_a_kill_and_a_rejoin(tmp_p
     assert [got[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
     names = sorted(p.name.rsplit("_", 1)[0] for p in (ckpt / "global_step8").glob("mecefo_optim_*.pt"))
     assert names == ["mecefo_optim_t0p0"] * 2 + ["mecefo_optim_t0p1"] * 2
+
+
+def test_reinit_rebuilds_a_lost_shard_and_training_goes_on(tmp_path, replicated):
+    """shard_redundancy "none" + on_shard_loss "reinit": rank 1's shard dies with it at step 3; the
+    survivors rebuild that range (fresh moments, step 0) and finish the whole batches. Before the
+    loss the run is the replicated one; after it, only the rebuilt range's optimizer state differs,
+    so the losses stay close to it but are not equal."""
+    logs = tmp_path / "logs"
+    out = run(tmp_path, 3, 1, *EXACT, "--mecefo-shard-redundancy", "none", "--mecefo-on-shard-loss", "reinit",
+              "--mecefo-inject", "kill:1:3", "--mecefo-log-dir", str(logs), "--mecefo-log-param-hash").stdout
+    events = [json.loads(line) for line in (logs / "events_rank0.jsonl").read_text().splitlines()]
+    (reinit,) = [e for e in events if e["event"] == "shard_reinit"]
+    assert reinit["step"] == 3 and 0 < reinit["elements"] < reinit["of"]
+    ref_losses, _ = replicated
+    got = losses(out)
+    assert [got[i] for i in range(1, 5)] == pytest.approx([ref_losses[i] for i in range(1, 5)], rel=1e-5)
+    assert got[8] != pytest.approx(ref_losses[8], rel=1e-6) and got[8] == pytest.approx(ref_losses[8], rel=0.05)
+    steps = [json.loads(line) for line in (logs / "steps_rank0.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(8)) and all(s["samples"] == 12 for s in steps)
+    assert {s["param_sha256"] for s in steps_of(logs, 2) if s["step"] >= 3} == {s["param_sha256"] for s in steps if s["step"] >= 3}
