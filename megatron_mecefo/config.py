@@ -118,8 +118,8 @@ class MeCeFOConfig:
     """With a sharded optimizer state (ds_config "zero_optimization.stage": 1): "neighbour" keeps a
     copy of each replica's shard, current at every step, on the replica that covers it (twice the
     sharded state's memory; no extra bytes moved per step), so a failed replica's shard is re-sharded
-    from it; "none" keeps no copy (plain ZeRO-1 memory): losing a replica then loses its shard and
-    the job ends with its last checkpoint."""
+    from it; "none" keeps no copy (plain ZeRO-1 memory): losing a replica then loses its shard,
+    which on_shard_loss handles."""
     on_shard_loss: str = "give_up"
     """When a range of the sharded optimizer state has no live holder left (its owner and the holder
     of its copy failed in one step, or shard_redundancy is "none"): "give_up" ends the job with a

@@ -437,7 +437,11 @@ class ElasticRuntime:
         groups.destroy_group(self.group)
         self.group = None
         self.log.warning("step %d aborted; agreeing on survivors", self.step)
-        self._regroup(self.generation + 1, self.members, detected_at=t_detect, t_start=t0)
+        generation, candidates = self.generation + 1, self.members
+        if False:  # the commit had admitted joiners: that generation, with them
+            generation, candidates = self._pending
+            self._pending = None
+        self._regroup(generation, candidates, detected_at=t_detect, t_start=t0)
 
     def _regroup(self, generation: int, candidates: Sequence[int], detected_at: Optional[float] = None,
                  t_start: Optional[float] = None) -> None:

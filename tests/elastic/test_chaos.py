@@ -230,6 +230,11 @@ SHARDED = {
     # and the next incarnation is admitted.
     "gather_then_reshard_during_the_rejoin": Schedule(2001, 4, 24, (
         Fault("kill", 1, 4, "optimizer"), _hold(1, 8), Fault("kill", 1, "*", "reshard", 1), _hold(1, 14, 2)), 0.3),
+    # The commit of step 5 admits restarted rank 1, and rank 2 dies right after it (before its
+    # optimizer step): the survivors' gather fails with the admission pending, and the generation
+    # they regroup into is the admitted one (rank 2's shard from its copy on rank 0).
+    "gather_fails_as_a_joiner_is_admitted": Schedule(2003, 3, 24, (
+        Fault("kill", 1, 2, "backward"), _hold(1, 5), Fault("kill", 2, 5, "admit")), 0.3),
     # Two neighbours die in one step: the shard whose owner and copy holder are both gone is lost,
     # and with on_shard_loss "give_up" the job ends cleanly (never trains on a partial state).
     "two_neighbours_in_one_step": Schedule(2002, 4, 24, (
@@ -252,6 +257,11 @@ def test_sharded_compound_schedule(tmp_path, toy_references, name):
         failed = [e for e in chaos.events(tmp_path, 4, "regroup_failed") if e["rank"] == 0]
         assert [e["joiners"] for e in failed] == [[1]], "the admission that lost its joiner mid re-shard"
         assert "rank 1: kill at step" in result.stderr and "(reshard)" in result.stderr
+    elif name == "gather_fails_as_a_joiner_is_admitted":
+        assert outcome == "finished"
+        assert [e["step"] for e in chaos.events(tmp_path, 3, "gather_failed") if e["rank"] == 0] == [5]
+        admitted = [e for e in chaos.events(tmp_path, 3, "regroup") if e["rank"] == 0 and e["joiners"] == [1]]
+        assert [e["step"] for e in admitted] == [6]
     else:
         assert outcome == "gave_up"
         assert "the sharded optimizer state lost elements" in result.stderr
