@@ -341,12 +341,15 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
         cfg, job, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, micro_batches=micro_batches,
         backend=backend, train_iters=train_iters, save_checkpoint=save, sharding=shards, save_shards=save_shards,
         state=training_state((get_module, set_module), engine.optimizer, engine.lr_scheduler, (counters, set_counters)))
-    if load is not None and job.incarnation == 0:
-        load()
-        if shards is not None:  # a sharded checkpoint's shard files; else the (replicated) state DeepSpeed loaded
-            tag = open(os.path.join(load_dir, "latest")).read().strip()
-            if shards.has_files(os.path.join(load_dir, tag)):
-                shards.load(os.path.join(load_dir, tag))
+    if job.incarnation == 0:
+        if load is not None:
+            load()
+        latest = os.path.join(load_dir, "latest") if load_dir else None
+        if shards is not None and latest and os.path.exists(latest):
+            # a sharded checkpoint's shard files; else the (replicated) state DeepSpeed loaded
+            tag = os.path.join(load_dir, open(latest).read().strip())
+            if shards.has_files(tag):
+                shards.load(tag)
     step = runtime.start(engine.global_steps)
     if step != engine.global_steps:
         raise RuntimeError(f"runtime step {step} != engine step {engine.global_steps}")

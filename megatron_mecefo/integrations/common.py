@@ -188,6 +188,10 @@ def lead_only_save(original: Callable, state: State) -> Callable:
     is data-parallel rank 0, so more writers would write the same files."""
 
     def save_checkpoint(*a, **kw):
+        if state.active and getattr(state.driver, "sharded", None) is not None:
+            from megatron import get_args  # Megatron-DeepSpeed: every rank writes its optimizer shards
+
+            state.driver.save_shards(get_args().save)
         if state.active and not state.lead():
             return None
         return original(*a, **kw)

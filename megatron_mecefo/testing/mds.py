@@ -95,12 +95,12 @@ def free_port() -> int:
 
 
 def args(data: Path, ds_config: Path, *, dp: int, tp: int = 1, iters: int = 10, micro_batches: int = 2,
-         extra: List[str] = ()) -> List[str]:
+         extra: List[str] = (), zero_stage: int = 0) -> List[str]:
     """A tiny GPT, the flags a user passes (CPU needs --no-gradient-accumulation-fusion and the fused
-    kernels off), and a ds_config for `dp` data-parallel ranks."""
+    kernels off), and a ds_config for `dp` data-parallel ranks (ZeRO `zero_stage`)."""
     gbs = dp * micro_batches
     ds_config.write_text(json.dumps({"train_batch_size": gbs, "train_micro_batch_size_per_gpu": 1,
-                                     "steps_per_print": 10000, "zero_optimization": {"stage": 0},
+                                     "steps_per_print": 10000, "zero_optimization": {"stage": zero_stage},
                                      "gradient_clipping": 1.0}))
     return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
             "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
@@ -111,7 +111,7 @@ def args(data: Path, ds_config: Path, *, dp: int, tp: int = 1, iters: int = 10, 
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--tensor-model-parallel-size", str(tp),
             "--no-gradient-accumulation-fusion", "--num-workers", "0", "--no-pipeline-parallel",
             "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-            "--deepspeed", "--deepspeed_config", str(ds_config), "--zero-stage", "0", "--distributed-backend", "gloo",
+            "--deepspeed", "--deepspeed_config", str(ds_config), "--zero-stage", str(zero_stage), "--distributed-backend", "gloo",
             *extra]
 
 

@@ -49,6 +49,33 @@ def test_kill_is_absorbed_exactly_with_approximations_off(mds_checkout, tmp_path
 
 
 @pytest.mark.fault
+def test_sharded_optimizer_state_through_a_kill_after_the_commit(mds_checkout, tmp_path):
+    """ds_config "zero_optimization.stage": 1 with 3 replicas: the optimizer state is sharded over
+    them, each shard also on its covering neighbour. Rank 1 is SIGKILLed after step 4's commit
+    (the others' parameter gather fails; its shard's update lives on in rank 2's copy). With the
+    approximations off the losses are the replicated fault-free run's, the replicas stay
+    bit-identical, and the final checkpoint holds the survivors' shards beside upstream's files."""
+    root, data = mds_checkout
+    exact = ["--attention-dropout", "0", "--hidden-dropout", "0", "--mecefo", "--no-mecefo-skip-attention",
+             "--no-mecefo-lowrank-ffn", "--mecefo-recompute-ffn", "never", "--mecefo-log-param-hash"]
+    free = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds0.json", dp=3, extra=exact))
+    assert free.returncode == 0, free.stdout[-4000:]
+    ckpt = tmp_path / "ckpt"
+    sharded = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds1.json", dp=3, zero_stage=1, extra=exact + [
+        "--mecefo-log-dir", str(tmp_path / "logs"), "--mecefo-inject", "kill:1:4:optimizer", "--save", str(ckpt),
+        "--save-interval", "1000"]))
+    assert sharded.returncode == 0, sharded.stdout[-4000:]
+    assert "generation 1: members [0, 2], cover {1: 2}" in sharded.stdout
+    want, got = mds.losses(free.stdout), mds.losses(sharded.stdout)
+    assert sorted(got) == sorted(want) == list(range(1, 11))
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    mds.check_whole_and_identical(tmp_path / "logs", dp=3, k=2, iters=10)
+    files = sorted(p.name for p in (ckpt / "global_step10").glob("mecefo_optim_*.pt"))
+    assert len(files) == 2, files  # two shards over the two survivors, each written by its owner and copy holder
+
+
+@pytest.mark.fault
 def test_kill_and_rejoin_with_approximations(mds_checkout, tmp_path):
     """3 replicas; rank 1 is SIGKILLed at step 4 and restarted by mecefo-launch a second later: its
     neighbour covers with the MeCeFO backward, the restarted rank receives the live state (module,
@@ -127,18 +154,18 @@ def test_give_up_writes_upstream_checkpoint_and_load_resumes(mds_checkout, tmp_p
 
 def test_refused_setups_end_before_training(mds_checkout, tmp_path):
     """What MeCeFO cannot run ends with exit 2 and a message naming the flag, before training:
-    DeepSpeed's pipeline engine, and ZeRO stage 1."""
+    DeepSpeed's pipeline engine, and ZeRO stage 2 (which shards the gradients too)."""
     root, data = mds_checkout
     args = mds.args(data, tmp_path / "ds.json", dp=1, extra=["--mecefo"])
     pipe = mds.mecefo_launch(root, 1, [a for a in args if a != "--no-pipeline-parallel"], timeout=120)
     assert pipe.returncode == 2, pipe.stdout[-3000:]
     assert "error: --mecefo needs --no-pipeline-parallel" in pipe.stdout
     config = json.loads((tmp_path / "ds.json").read_text())
-    config["zero_optimization"]["stage"] = 1
+    config["zero_optimization"]["stage"] = 2
     (tmp_path / "ds.json").write_text(json.dumps(config))
     zero = mds.mecefo_launch(root, 1, args, timeout=120)
     assert zero.returncode == 2, zero.stdout[-3000:]
-    assert 'error: ds_config "zero_optimization.stage"=1 is not supported with MeCeFO' in zero.stdout
+    assert 'error: ds_config "zero_optimization.stage"=2 is not supported with MeCeFO' in zero.stdout
     assert "iteration        1/" not in pipe.stdout + zero.stdout
 
 

@@ -21,6 +21,8 @@ Data parallelism across replicas belongs to the runtime. The consequences, handl
   data-parallel ranks together evaluate upstream), with no cross-replica collective; so the
   validation loss equals an unpatched run's.
 * checkpoints and logs: one replica (the lowest live) saves; the others' log lines are silenced.
+  With ds_config "zero_optimization.stage": 1 the optimizer state is sharded over the replicas
+  (elastic/zero.py; the engine runs stage 0) and every rank writes its shards beside upstream's files.
 """
 
 from __future__ import annotations
@@ -67,9 +69,9 @@ def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, world: int) -
         (getattr(args, "ds_sequence_parallel_size", 1) > 1,
          "--mecefo does not support DeepSpeed sequence parallelism (--ds-sequence-parallel-size)"),
         (getattr(args, "zero_stage", 0) == 3, "--mecefo does not support --zero-stage 3"),
-        (ds_config.get("zero_optimization", {}).get("stage", 0) == 1 or getattr(args, "zero_stage", 0) == 1,
-         'ds_config "zero_optimization.stage"=1 is not supported with MeCeFO in Megatron-DeepSpeed yet (the sharded '
-         "optimizer state runs in MeCeFO's own DeepSpeed loop, megatron_mecefo.deepspeed_hook): use --zero-stage 0"),
+        (ds_config.get("zero_optimization", {}).get("stage", 0) == 1 and getattr(args, "log_optimizer_states_to_tensorboard", False),
+         "--log-optimizer-states-to-tensorboard reads the whole optimizer state on every rank; with ds_config "
+         '"zero_optimization.stage"=1 MeCeFO shards it over the replicas: drop the flag'),
         (max(getattr(args, "num_experts", None) or [1]) > 1, "--mecefo does not support MoE (--num-experts > 1)"),
         (bool(getattr(args, "mos", False) or getattr(args, "kd", False)),
          "--mecefo does not support knowledge distillation (--mos / --kd)"),
@@ -123,10 +125,11 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
             return original(model_provider_func, model_type, *a, **kw)
         from megatron import get_args, get_num_microbatches
 
-        from megatron_mecefo.deepspeed_hook.engine import attach_runtime, replica_ds_config
+        from megatron_mecefo.deepspeed_hook.engine import attach_runtime, replica_ds_config, zero_stage
         from megatron_mecefo.integrations.megatron_deepspeed.layers import wrap_model
 
         args, cfg = get_args(), STATE.cfg
+        sharded = zero_stage(args.deepspeed_config_dict) == 1  # MeCeFO's, over the replicas (the engine runs 0)
         with usage_errors():
             ds_config, k, mb = replica_ds_config(args.deepspeed_config_dict, STATE.dp)
         if k != get_num_microbatches() or mb != args.micro_batch_size:
@@ -159,6 +162,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         STATE.driver = attach_runtime(engine, cfg, STATE.job, tensor_parallel=args.tensor_model_parallel_size,
                                       pipeline_parallel=1, micro_batches=k, micro_batch_size=mb, backend=backend,
                                       train_iters=args.train_iters, save=save if args.save else None,
+                                      sharded=sharded, save_dir=args.save, load_dir=args.load,
                                       extra_state=counters,
                                       module_state=(engine.module.state_dict_for_save_checkpoint,
                                                     engine.module.load_state_dict))
