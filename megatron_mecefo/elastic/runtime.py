@@ -438,7 +438,7 @@ class ElasticRuntime:
         self.group = None
         self.log.warning("step %d aborted; agreeing on survivors", self.step)
         generation, candidates = self.generation + 1, self.members
-        if False:  # the commit had admitted joiners: that generation, with them
+        if self._pending is not None:  # the commit had admitted joiners: that generation, with them
             generation, candidates = self._pending
             self._pending = None
         self._regroup(generation, candidates, detected_at=t_detect, t_start=t0)
@@ -472,13 +472,13 @@ class ElasticRuntime:
             try:
                 group = groups.build_dp_group(self.store, generation, peers, self.rank, self._timeout, self.backend,
                                               tag=self._tag())
-                if agreed.joiners:
-                    payload = self._transfer_state(group, agreed, peers)
-                if self.sharding is not None:
+                if self.sharding is not None:  # first: it re-sends the parameters the joiners' state then holds
                     sharded = self.sharding.regroup(group, peers, [self.grid.replica_of(r) for r in peers],
                                                     [r for r in peers if r not in agreed.joiners], self.rank,
                                                     replicas_total=self.grid.dp,
                                                     midway=lambda: self.injector.maybe_fire(agreed.step, "reshard"))
+                if agreed.joiners:
+                    payload = self._transfer_state(group, agreed, peers)
                 if not self.membership.formed(generation, agreed.members):
                     raise MeCeFOError("another member's group or state transfer failed")
             except (GaveUp, JobFinished):  # JobAborted, or a shard of the optimizer state lost
