@@ -147,3 +147,19 @@ def test_reinit_rebuilds_a_lost_shard_and_training_goes_on(tmp_path, replicated)
     steps = [json.loads(line) for line in (logs / "steps_rank0.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(8)) and all(s["samples"] == 12 for s in steps)
     assert {s["param_sha256"] for s in steps_of(logs, 2) if s["step"] >= 3} == {s["param_sha256"] for s in steps if s["step"] >= 3}
+
+
+def test_a_shard_owner_hung_after_the_commit(tmp_path, replicated):
+    """Rank 1 is hung (SIGSTOP) after step 3's commit: the survivors' parameter gather waits out the
+    collective timeout, they regroup at once (it is presumed failed by its heartbeat) and go on with
+    its shard from rank 2's copy; the launcher ends the hung process when the job is done."""
+    logs = tmp_path / "logs"
+    out = run(tmp_path, 3, 1, *EXACT, "--mecefo-collective-timeout-s", "5", "--mecefo-agree-timeout-s", "20",
+              "--mecefo-inject", "hang:1:3:optimizer", "--mecefo-log-dir", str(logs)).stdout
+    assert "cover 1->2" in out
+    events = [json.loads(line) for line in (logs / "events_rank0.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "gather_failed"] == [3]
+    ref_losses, ref_valid = replicated
+    got = losses(out)
+    assert [got[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
+    assert valid_loss(out) == pytest.approx(ref_valid, rel=1e-5)
