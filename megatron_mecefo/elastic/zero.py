@@ -254,12 +254,13 @@ class ShardedOptimizer:
         Call on every peer (in the group's order: `peers` global ranks, `replicas` their replica
         indices; `replicas_total`: D of the original job); `holders`: the peers holding the training
         state (joiners do not); `midway` runs once the layout is shared, before anything moves (an
-        injection point). Moves state and
-        parameters only; `install` makes the result current once the whole generation formed.
+        injection point). The new held ranges are built aside; `install` makes them current once
+        the whole generation formed. The parameters are re-sent in place: the holders' values,
+        which every survivor takes in any generation that forms.
 
         Raises:
-            ShardLost: a range of the state has no surviving holder.
-            whatever the collectives raise (a peer died): nothing of this rank's state changed.
+            ShardLost: a range of the state has no surviving holder (on_loss "give_up").
+            whatever the collectives raise (a peer died): the optimizer state is unchanged.
         """
         me = peers.index(rank)
         donor = min(peers.index(h) for h in holders)
