@@ -45,6 +45,18 @@ def steps_of(log_dir, rank):
     return [json.loads(line) for line in (log_dir / f"steps_rank{rank}.jsonl").read_text().splitlines()]
 
 
+def events_of(log_dir, event, rank=0):
+    return [e for e in map(json.loads, (log_dir / f"events_rank{rank}.jsonl").read_text().splitlines())
+            if e["event"] == event]
+
+
+def assert_fault_free_losses(out, replicated, iterations=range(1, 9)):
+    """The losses of `iterations` are the replicated fault-free run's (approximations off)."""
+    ref_losses, _ = replicated
+    got = losses(out)
+    assert [got[i] for i in iterations] == pytest.approx([ref_losses[i] for i in iterations], rel=1e-5)
+
+
 def test_sharded_run_equals_replicated_through_a_kill_after_the_commit_and_a_rejoin(tmp_path, replicated):
     """Rank 1 (owner of the middle shard) is SIGKILLed after step 3's commit and restarted; the job
     waits for it at step 5 (hold). The survivors' parameter gather fails and they regroup at once
@@ -56,19 +68,16 @@ def test_sharded_run_equals_replicated_through_a_kill_after_the_commit_and_a_rej
               "--mecefo-log-dir", str(logs), "--mecefo-log-param-hash", launcher=["--restart-failed-after", "0"]).stdout
     assert "optimizer state sharded over 3 replicas (shard_redundancy=neighbour)" in out
     assert "cover 1->2" in out and "live 3/3" in out.split("cover 1->2")[-1], "degraded, then whole again"
-    ref_losses, ref_valid = replicated
-    got = losses(out)
-    assert sorted(got) == list(range(1, 9))
-    assert [got[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
-    assert valid_loss(out) == pytest.approx(ref_valid, rel=1e-5)
+    assert sorted(losses(out)) == list(range(1, 9))
+    assert_fault_free_losses(out, replicated)
+    assert valid_loss(out) == pytest.approx(replicated[1], rel=1e-5)
     by_step = {}
     for rank in range(3):
         for rec in steps_of(logs, rank):
             by_step.setdefault(rec["step"], set()).add(rec["param_sha256"])
     assert sorted(by_step) == list(range(8))
     assert all(len(hashes) == 1 for hashes in by_step.values()), "replicas hold bit-identical parameters every step"
-    events = [json.loads(line) for line in (logs / "events_rank0.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["event"] == "gather_failed"] == [3]
+    assert [e["step"] for e in events_of(logs, "gather_failed")] == [3]
 
 
 def test_a_sharded_checkpoint_resumes_at_another_replica_count(tmp_path, replicated):
@@ -78,9 +87,7 @@ def test_a_sharded_checkpoint_resumes_at_another_replica_count(tmp_path, replica
     assert len(files) == 3, files  # three shards, each written by its owner and its copy's holder
     out = run(tmp_path, 2, 1, *EXACT, "--load", str(ckpt)).stdout
     assert "starting at iteration 4" in out and "sharded over 2 replicas" in out
-    ref_losses, _ = replicated
-    got = losses(out)
-    assert [got[i] for i in range(5, 9)] == pytest.approx([ref_losses[i] for i in range(5, 9)], rel=1e-5)
+    assert_fault_free_losses(out, replicated, range(5, 9))
 
 
 def test_a_shard_without_copy_ends_the_job_with_a_checkpoint_that_says_what_it_lacks(tmp_path):
@@ -106,11 +113,8 @@ def test_a_shard_owner_hung_while_the_survivors_re_shard(tmp_path, replicated):
               "--mecefo-inject", "kill:1:3:backward", "--mecefo-inject", f"{kind}:3:3:reshard",
               "--mecefo-log-dir", str(logs)).stdout
     assert "cover 1->2, 3->0" in out
-    events = [json.loads(line) for line in (logs / "events_rank0.jsonl").read_text().splitlines()]
-    assert [e["generation"] for e in events if e["event"] == "regroup_failed"] == [1]
-    ref_losses, _ = replicated
-    got = losses(out)
-    assert [got[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
+    assert [e["generation"] for e in events_of(logs, "regroup_failed")] == [1]
+    assert_fault_free_losses(out, replicated)
 
 
 def test_pipeline_stages_shard_their_own_state_through_a_kill_and_a_rejoin(tmp_path):
@@ -139,14 +143,12 @@ def test_reinit_rebuilds_a_lost_shard_and_training_goes_on(tmp_path, replicated)
     logs = tmp_path / "logs"
     out = run(tmp_path, 3, 1, *EXACT, "--mecefo-shard-redundancy", "none", "--mecefo-on-shard-loss", "reinit",
               "--mecefo-inject", "kill:1:3", "--mecefo-log-dir", str(logs), "--mecefo-log-param-hash").stdout
-    events = [json.loads(line) for line in (logs / "events_rank0.jsonl").read_text().splitlines()]
-    (reinit,) = [e for e in events if e["event"] == "shard_reinit"]
+    (reinit,) = events_of(logs, "shard_reinit")
     assert reinit["step"] == 3 and 0 < reinit["elements"] < reinit["of"]
-    ref_losses, _ = replicated
-    got = losses(out)
-    assert [got[i] for i in range(1, 5)] == pytest.approx([ref_losses[i] for i in range(1, 5)], rel=1e-5)
+    assert_fault_free_losses(out, replicated, range(1, 5))
+    got, ref_losses = losses(out), replicated[0]
     assert got[8] != pytest.approx(ref_losses[8], rel=1e-6) and got[8] == pytest.approx(ref_losses[8], rel=0.05)
-    steps = [json.loads(line) for line in (logs / "steps_rank0.jsonl").read_text().splitlines()]
+    steps = steps_of(logs, 0)
     assert [s["step"] for s in steps] == list(range(8)) and all(s["samples"] == 12 for s in steps)
     assert {s["param_sha256"] for s in steps_of(logs, 2) if s["step"] >= 3} == {s["param_sha256"] for s in steps if s["step"] >= 3}
 
@@ -159,9 +161,6 @@ def test_a_shard_owner_hung_after_the_commit(tmp_path, replicated):
     out = run(tmp_path, 3, 1, *EXACT, "--mecefo-collective-timeout-s", "5", "--mecefo-agree-timeout-s", "20",
               "--mecefo-inject", "hang:1:3:optimizer", "--mecefo-log-dir", str(logs)).stdout
     assert "cover 1->2" in out
-    events = [json.loads(line) for line in (logs / "events_rank0.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["event"] == "gather_failed"] == [3]
-    ref_losses, ref_valid = replicated
-    got = losses(out)
-    assert [got[i] for i in range(1, 9)] == pytest.approx([ref_losses[i] for i in range(1, 9)], rel=1e-5)
-    assert valid_loss(out) == pytest.approx(ref_valid, rel=1e-5)
+    assert [e["step"] for e in events_of(logs, "gather_failed")] == [3]
+    assert_fault_free_losses(out, replicated)
+    assert valid_loss(out) == pytest.approx(replicated[1], rel=1e-5)
