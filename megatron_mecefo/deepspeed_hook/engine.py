@@ -50,7 +50,7 @@ from megatron_mecefo.elastic.bootstrap import init_distributed, param_digest
 from megatron_mecefo.elastic.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver, training_state
-from megatron_mecefo.elastic.zero import ShardedOptimizer, innermost_optimizer
+from megatron_mecefo.elastic.zero import ShardedOptimizer
 
 __all__ = ["initialize", "attach_runtime", "MeCeFOEngine", "init_distributed", "param_digest", "save_checkpoint",
            "load_checkpoint"]
@@ -326,14 +326,8 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
         if extra_state:
             extra_state[1](values["extra"])
 
-    shards = None
-    if sharded:
-        from megatron_mecefo.elastic.topology import Grid
-
-        tp_rank, pp_rank = Grid(tp=tensor_parallel, pp=pipeline_parallel,
-                                dp=job.world // (tensor_parallel * pipeline_parallel)).position(job.rank)
-        shards = ShardedOptimizer(innermost_optimizer(engine.optimizer), tag=f"t{tp_rank}p{pp_rank}",
-                                  neighbour_copy=cfg.shard_redundancy == "neighbour", on_loss=cfg.on_shard_loss)
+    shards = ShardedOptimizer.for_job(engine.optimizer, cfg, job, tensor_parallel=tensor_parallel,
+                                      pipeline_parallel=pipeline_parallel) if sharded else None
     save_shards = None
     if shards is not None and save_dir is not None:
         save_shards = lambda: shards.save(os.path.join(save_dir, f"global_step{engine.global_steps}"))  # noqa: E731
@@ -347,7 +341,8 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
         latest = os.path.join(load_dir, "latest") if load_dir else None
         if shards is not None and latest and os.path.exists(latest):
             # a sharded checkpoint's shard files; else the (replicated) state DeepSpeed loaded
-            tag = os.path.join(load_dir, open(latest).read().strip())
+            with open(latest) as f:
+                tag = os.path.join(load_dir, f.read().strip())
             if shards.has_files(tag):
                 shards.load(tag)
     step = runtime.start(engine.global_steps)

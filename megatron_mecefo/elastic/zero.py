@@ -49,8 +49,16 @@ class ShardLost(GaveUp):
 def innermost_optimizer(optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside a host's wrappers (DeepSpeed's and Megatron's keep it in `.optimizer`)."""
     seen = optimizer
-    while not isinstance(seen, torch.optim.Optimizer) and getattr(seen, "optimizer", None) is not None:
-        seen = seen.optimizer
+    while not isinstance(seen, torch.optim.Optimizer):
+        chained = getattr(seen, "chained_optimizers", None)  # Megatron-Core's ChainedOptimizer
+        if chained is not None:
+            if len(chained) != 1:
+                raise ValueError(f"the sharded optimizer needs one optimizer; the host chains {len(chained)}")
+            seen = chained[0]
+        elif getattr(seen, "optimizer", None) is not None:
+            seen = seen.optimizer
+        else:
+            break
     if not isinstance(seen, torch.optim.Optimizer):
         raise ValueError(f"the sharded optimizer needs a torch.optim.Optimizer inside the host's; found {type(optimizer).__name__}")
     return seen
@@ -95,7 +103,7 @@ class ShardedOptimizer:
     """ZeRO-1 for `optimizer` (see the module docstring). Replaces `optimizer.step`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, neighbour_copy: bool = True, tag: str = "t0p0",
-                 on_loss: str = "give_up") -> None:
+                 on_loss: str = "give_up", on_parameters: Optional[Callable[[], None]] = None) -> None:
         if on_loss not in ("give_up", "reinit"):
             raise ValueError(f"on_loss must be give_up or reinit, got {on_loss!r}")
         self.optimizer = optimizer
@@ -104,6 +112,9 @@ class ShardedOptimizer:
         self.tag = tag
         """The (tp, pp) position whose state this is (in the shard files' names)."""
         self.neighbour_copy = neighbour_copy
+        self.on_parameters = on_parameters
+        """Runs after a re-shard re-sent the parameters (a host keeping lower-precision copies of the
+        optimizer's fp32 parameters refreshes them: Megatron's main-to-model copy)."""
         self.params: List[torch.Tensor] = []
         self.group_bounds: List[Tuple[int, int]] = []
         self.offsets: List[int] = []
@@ -127,6 +138,19 @@ class ShardedOptimizer:
         self.gather_error: Optional[BaseException] = None
         self.last_reshard: Optional[Reshard] = None
         optimizer.step = self.step  # the host's wrappers (clipping, scheduler, counters) stay as they are
+
+    @classmethod
+    def for_job(cls, optimizer, cfg, job, *, tensor_parallel: int, pipeline_parallel: int,
+                on_parameters: Optional[Callable[[], None]] = None) -> "ShardedOptimizer":
+        """The sharded state of the torch optimizer inside a host's `optimizer` (DeepSpeed's engine,
+        Megatron's wrappers) for this rank's (tp, pp) position of `job` (a LaunchEnv), as the
+        MeCeFOConfig `cfg` asks (shard_redundancy, on_shard_loss)."""
+        from megatron_mecefo.elastic.topology import Grid
+
+        tp, pp = Grid(tp=tensor_parallel, pp=pipeline_parallel,
+                      dp=job.world // (tensor_parallel * pipeline_parallel)).position(job.rank)
+        return cls(innermost_optimizer(optimizer), tag=f"t{tp}p{pp}", neighbour_copy=cfg.shard_redundancy == "neighbour",
+                   on_loss=cfg.on_shard_loss, on_parameters=on_parameters)
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -336,6 +360,8 @@ class ShardedOptimizer:
             groups.broadcast_(group, buf, replicas.index(holder))
             if holder != self.replica:
                 self._write(a, buf)
+        if self.on_parameters is not None:
+            self.on_parameters()
 
     def _slice(self, start: int, end: int, whole: bool) -> torch.Tensor:
         """What a move of [start, end) carries: the per-element state key after key, then the

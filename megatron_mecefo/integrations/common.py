@@ -51,6 +51,11 @@ class State:
     """The original data-parallel size (replicas)."""
     record: Any = None
     """The Record of upstream's log lines and writer calls (record.py)."""
+    sharded: bool = False
+    """The optimizer state is sharded over the replicas (elastic/zero.py)."""
+    save_shards: Optional[Callable[[int], Any]] = None
+    """(iteration) -> writes this rank's shards of a sharded optimizer state into the checkpoint
+    upstream is saving (every rank, at every save); None: the state is replicated."""
 
     @property
     def active(self) -> bool:
@@ -80,9 +85,6 @@ def shared_refusals(args) -> list:
     return [
         (args.virtual_pipeline_model_parallel_size is not None, "--mecefo does not support a virtual pipeline"),
         (args.pipeline_model_parallel_size != 1, "--mecefo supports --pipeline-model-parallel-size 1 only"),
-        (getattr(args, "use_distributed_optimizer", False),
-         "--mecefo does not support --use-distributed-optimizer (it shards optimizer state over data-parallel "
-         "ranks, so a failed rank would take its shard with it)"),
         (args.dataloader_type != "single",
          f"--mecefo needs --dataloader-type single (got {args.dataloader_type}): a failed rank's micro-batches are "
          "drawn from the sampler's order"),
@@ -123,6 +125,8 @@ def install_hooks(initialize, training, hooks, *, helpers_dir: Callable[[], str]
     initialize._compile_dependencies = one_replica_at_a_time(initialize._compile_dependencies,
                                                              lambda: hooks.STATE.active, helpers_dir)
     training.setup_model_and_optimizer = hooks.wrap_setup_model_and_optimizer(training.setup_model_and_optimizer)
+    if hasattr(hooks, "wrap_load_checkpoint"):
+        training.load_checkpoint = hooks.wrap_load_checkpoint(training.load_checkpoint)
     training.build_train_valid_test_datasets = hooks.wrap_datasets(training.build_train_valid_test_datasets)
     training.train_step = hooks.wrap_train_step(training.train_step)
     training.evaluate = wrap_evaluate(training.evaluate)
@@ -185,13 +189,12 @@ def one_replica_at_a_time(original: Callable, active: Callable[[], bool], lock_d
 
 def lead_only_save(original: Callable, state: State) -> Callable:
     """Upstream's `save_checkpoint`: one replica (the lowest live) writes; every replica believes it
-    is data-parallel rank 0, so more writers would write the same files."""
+    is data-parallel rank 0, so more writers would write the same files. A sharded optimizer state
+    is written by every rank, its own ranges (`state.save_shards`)."""
 
     def save_checkpoint(*a, **kw):
-        if state.active and getattr(state.driver, "sharded", None) is not None:
-            from megatron import get_args  # Megatron-DeepSpeed: every rank writes its optimizer shards
-
-            state.driver.save_shards(get_args().save)
+        if state.active and state.save_shards is not None:  # every rank writes its optimizer shards
+            state.save_shards(a[0] if a else kw["iteration"])
         if state.active and not state.lead():
             return None
         return original(*a, **kw)

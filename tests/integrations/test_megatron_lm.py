@@ -52,6 +52,49 @@ def test_kill_is_absorbed_exactly_with_approximations_off(mlm_checkout, tmp_path
 
 
 @pytest.mark.fault
+def test_distributed_optimizer_is_sharded_through_a_kill_and_a_rejoin(mlm_checkout, tmp_path):
+    """`--use-distributed-optimizer` with 3 replicas: the optimizer state is sharded over them, each
+    shard also on its covering neighbour. Rank 1 is SIGKILLed after step 4's commit (the others'
+    parameter gather fails; its shard's update lives on in rank 2's copy) and restarted: it rejoins
+    after step 8 and receives its shard and copy in the re-shard. With the approximations off the
+    losses are the replicated fault-free run's and the replicas stay bit-identical. The checkpoint
+    of iteration 10 holds the shards beside upstream's files; `--load` resumes it on 2 replicas
+    with the fault-free run's losses, and refuses it (exit 2) without the flag."""
+    free = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT))
+    assert free.returncode == 0, free.stdout[-4000:]
+    ckpt, log_dir = tmp_path / "ckpt", tmp_path / "log"
+    sharded = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + [
+        "--use-distributed-optimizer", "--mecefo-log-dir", str(log_dir), "--mecefo-inject", "kill:1:4:optimizer",
+        "--mecefo-inject", "hold:1:8", "--save", str(ckpt), "--save-interval", "10"]), restart_after=1, timeout=300)
+    assert sharded.returncode == 0, sharded.stdout[-6000:]
+    assert "optimizer state sharded over 3 replicas (shard_redundancy=neighbour)" in sharded.stdout
+    assert "generation 1: members [0, 2], cover {1: 2}" in sharded.stdout
+    events = [json.loads(line) for line in (log_dir / "events_rank1.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "rejoined"] == [9]
+    want, got = mds.losses(free.stdout), mds.losses(sharded.stdout)
+    assert sorted(got) == sorted(want) == list(range(1, 13))
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    mds.check_whole_and_identical(log_dir, dp=3, k=2, iters=12)
+    files = sorted(p.name for p in (ckpt / "iter_0000010").glob("mecefo_optim_*.pt"))
+    assert len(files) == 3, files  # three shards, each written by its owner and its copy's holder
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("10")  # the run also saved its end
+    resumed = mlm.mecefo_launch(mlm_checkout, 2, mlm.args(dp=2, micro_batches=3, iters=12, extra=EXACT + [
+        "--use-distributed-optimizer", "--load", str(ckpt)]))
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    after = mds.losses(resumed.stdout)
+    assert sorted(after) == [11, 12]
+    assert after[11] == pytest.approx(want[11], rel=1e-5, abs=1e-6)
+    # upstream's first log line after a resume does not reset its sums (training_log's
+    # is_first_iteration): iteration 12 prints the mean of 11 and 12
+    assert after[12] == pytest.approx((want[11] + want[12]) / 2, rel=1e-5, abs=1e-6)
+    refused = mlm.mecefo_launch(mlm_checkout, 1, mlm.args(dp=1, iters=12, extra=["--mecefo", "--load", str(ckpt)]),
+                                timeout=120)
+    assert refused.returncode == 2, refused.stdout[-3000:]
+    assert "holds a sharded optimizer state" in refused.stdout and "iteration       11/" not in refused.stdout
+
+
+@pytest.mark.fault
 def test_torchrun_survives_a_killed_rank_which_rejoins(mlm_checkout, tmp_path):
     """The user's own `torchrun --nproc-per-node 3 pretrain_gpt.py ... --mecefo
     --mecefo-restart-failed-after 1`: rank 1's training process is SIGKILLed at step 4 (under a
@@ -141,12 +184,20 @@ def test_give_up_writes_upstream_checkpoint_and_load_resumes(mlm_checkout, tmp_p
     assert lr[7] < lr[6] < lr[3]  # the scheduler went on decaying
 
 
-def test_refused_setups_end_before_training(mlm_checkout):
-    """What MeCeFO cannot run ends with exit 2 and a message naming the flag, before training."""
+def test_refused_setups_end_before_training(mlm_checkout, tmp_path):
+    """What MeCeFO cannot run ends with exit 2 and a message naming the flag, before training; so
+    does `--load` of a checkpoint upstream's DistributedOptimizer wrote (its state is laid out
+    over the data-parallel ranks of that run)."""
+    distributed = mlm.torchrun(mlm_checkout, 1, mlm.args(dp=1, iters=3, extra=[
+        "--use-distributed-optimizer", "--save", str(tmp_path / "ckpt"), "--save-interval", "3"]),
+        script="pretrain_gpt_upstream.py")
+    assert distributed.returncode == 0, distributed.stdout[-3000:]
     base = mlm.args(dp=1, extra=["--mecefo"])
     cases = {
-        "--use-distributed-optimizer": ("--mecefo does not support --use-distributed-optimizer", base + [
-            "--use-distributed-optimizer"]),
+        "--load": ("the checkpoint in " + str(tmp_path / "ckpt") + " was written by Megatron's DistributedOptimizer",
+                   base + ["--mecefo-rank", "16", "--use-distributed-optimizer", "--load", str(tmp_path / "ckpt")]),
+        "--overlap-grad-reduce": ("--mecefo does not support --overlap-grad-reduce", base + [
+            "--overlap-grad-reduce"]),
         "transformer_engine": ("--mecefo needs --transformer-impl local (got transformer_engine)",
                                [a if a != "local" else "transformer_engine" for a in base]),
     }

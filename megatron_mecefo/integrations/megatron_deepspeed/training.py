@@ -69,6 +69,9 @@ def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, world: int) -
         (getattr(args, "ds_sequence_parallel_size", 1) > 1,
          "--mecefo does not support DeepSpeed sequence parallelism (--ds-sequence-parallel-size)"),
         (getattr(args, "zero_stage", 0) == 3, "--mecefo does not support --zero-stage 3"),
+        (getattr(args, "use_distributed_optimizer", False),
+         '--mecefo does not support --use-distributed-optimizer with DeepSpeed: ds_config "zero_optimization.stage"=1 '
+         "shards the optimizer state over the replicas"),
         (ds_config.get("zero_optimization", {}).get("stage", 0) == 1 and getattr(args, "log_optimizer_states_to_tensorboard", False),
          "--log-optimizer-states-to-tensorboard reads the whole optimizer state on every rank; with ds_config "
          '"zero_optimization.stage"=1 MeCeFO shards it over the replicas: drop the flag'),
@@ -166,6 +169,9 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
                                       extra_state=counters,
                                       module_state=(engine.module.state_dict_for_save_checkpoint,
                                                     engine.module.load_state_dict))
+        STATE.sharded = sharded
+        if sharded and args.save:
+            STATE.save_shards = lambda iteration: STATE.driver.save_shards(args.save)
         rt = STATE.driver.runtime
         if STATE.lead() and not rt.rejoined:
             print(f" mecefo: job {rt.job_id} | {STATE.driver.recompute_note} | starting at iteration "

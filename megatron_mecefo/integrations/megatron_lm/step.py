@@ -24,6 +24,7 @@ import torch
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver, training_state
+from megatron_mecefo.elastic.zero import ShardedOptimizer
 
 __all__ = ["Step"]
 
@@ -35,12 +36,15 @@ class Step(DrivenHost):
         self.driver = driver
         self.runtime = driver.runtime
         self.recompute_note = driver.recompute_note
+        self.sharded: Optional[ShardedOptimizer] = None
+        """The sharded optimizer state (`--use-distributed-optimizer`), or None."""
         self._reports: list = []
 
     @classmethod
     def attach(cls, cfg: MeCeFOConfig, job: LaunchEnv, model, optimizer, scheduler, *, tensor_parallel: int,
                micro_batches: int, micro_batch_size: int, backend: str, train_iters: Optional[int], start: int,
-               save: Optional[Callable[[], str]] = None, counters=None) -> "Step":
+               save: Optional[Callable[[], str]] = None, counters=None, sharded: bool = False,
+               shard_dir: Optional[Callable[[], str]] = None, load_shards: Optional[str] = None) -> "Step":
         """Join the job: the runtime with what a rejoining rank receives (model, optimizer,
         scheduler, RNG, the training loop's counters) and the give-up checkpoint.
 
@@ -48,6 +52,10 @@ class Step(DrivenHost):
             counters: (get, set) of the training loop's counters (plain data).
             start: the iteration this rank starts at (after `--load`); a restarted rank takes the
                 live one.
+            sharded: shard the optimizer state over the live replicas (elastic/zero.py; what
+                `--use-distributed-optimizer` asks for); `shard_dir`: () -> the directory of the
+                checkpoint being written (this rank's shard files go there); `load_shards`: the
+                loaded checkpoint's directory holding shard files (None: the state upstream loaded).
         """
         def get_model():
             return [chunk.state_dict() for chunk in model]
@@ -56,10 +64,21 @@ class Step(DrivenHost):
             for chunk, chunk_state in zip(model, states):
                 chunk.load_state_dict(chunk_state)
 
+        shards = None
+        if sharded:
+            inner = getattr(optimizer, "chained_optimizers", [optimizer])
+            # Megatron's mixed-precision optimizer steps fp32 copies: the model's bf16 parameters
+            # follow them after a re-shard re-sent them
+            refresh = getattr(inner[0], "_copy_main_params_to_model_params", None) if len(inner) == 1 else None
+            shards = ShardedOptimizer.for_job(optimizer, cfg, job, tensor_parallel=tensor_parallel, pipeline_parallel=1,
+                                              on_parameters=refresh)
+            if load_shards is not None and job.incarnation == 0:
+                shards.load(load_shards)
         runtime = ElasticRuntime.for_job(
             cfg, job, tensor_parallel=tensor_parallel, pipeline_parallel=1, micro_batches=micro_batches,
             backend=backend, save_checkpoint=save, train_iters=train_iters if cfg.trace is not None else None,
-            state=training_state((get_model, set_model), optimizer, scheduler, counters))
+            state=training_state((get_model, set_model), optimizer, scheduler, counters), sharding=shards,
+            save_shards=(lambda: shards.save(shard_dir())) if shards is not None and shard_dir is not None else None)
         step = runtime.start(start)
         if counters:
             now = counters[0]()["iteration"]
@@ -75,7 +94,9 @@ class Step(DrivenHost):
         host = Host(module=torch.nn.ModuleList(model),
                     parameters=lambda: (p for chunk in model for p in chunk.parameters()), grad_attr="main_grad",
                     optimizer_step=optimizer.step, zero_grad=optimizer.zero_grad, lr=lr)
-        return cls(StepDriver(runtime, cfg, host, micro_batch_size=micro_batch_size))  # the schedule runs them one at a time
+        out = cls(StepDriver(runtime, cfg, host, micro_batch_size=micro_batch_size))  # the schedule runs them one at a time
+        out.sharded = shards
+        return out
 
     # -- the step ---------------------------------------------------------------------------------
 

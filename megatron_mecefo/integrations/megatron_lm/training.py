@@ -22,11 +22,19 @@ reduces the DDP gradient buffers (`main_grad`) itself. The consequences, handled
   redone by the survivors. The consumed-sample counter advances by the whole global batch.
 * evaluation: every replica evaluates the whole global eval batch per eval iteration, so the
   validation loss equals an unpatched run's.
+* `--use-distributed-optimizer`: upstream's distributed optimizer would shard over the replica's
+  data-parallel group (size 1 here). Upstream builds its plain optimizer instead, and the runtime
+  shards that optimizer's state over the live replicas (elastic/zero.py, each shard also on its
+  covering neighbour). Checkpoints: upstream's files (model, scheduler, RNG, counters, the fp32
+  parameters; no moments) from one replica, plus every rank's shard files in the same `iter_N`
+  directory; `--load` reads them at any replica count.
 * checkpoints and logs: one replica (the lowest live) saves; the others' log lines are silenced.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 from typing import Callable, Optional
 
@@ -38,7 +46,7 @@ from megatron_mecefo.integrations.common import (State, UsageError, arg_counters
                                                   usage_errors)
 
 __all__ = ["UsageError", "State", "STATE", "SPEC", "check_args", "wrap_initialize_distributed",
-           "wrap_setup_model_and_optimizer", "wrap_train_step", "wrap_datasets",
+           "wrap_setup_model_and_optimizer", "wrap_load_checkpoint", "wrap_train_step", "wrap_datasets",
            "wrap_evaluate"]
 
 SPEC = ["megatron_mecefo.layers.specs", "mecefo_gpt_layer_spec"]
@@ -125,13 +133,16 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
             return original(model_provider_func, model_type, *a, **kw)
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.training import get_args
-        from megatron.training.checkpointing import save_checkpoint
+        from megatron.training.checkpointing import get_checkpoint_name, save_checkpoint
 
         from megatron_mecefo.approx import Coverable
         from megatron_mecefo.integrations.megatron_lm.step import Step
         from megatron_mecefo.layers.linear import check_lowrank_rank
 
         args, cfg = get_args(), STATE.cfg
+        # the runtime shards over the replicas; upstream's optimizer stays plain (its data-parallel group is 1)
+        STATE.sharded, args.use_distributed_optimizer = bool(args.use_distributed_optimizer), False
+        check_loaded_optimizer(args, STATE.sharded)
         model, optimizer, scheduler = original(model_provider_func, model_type, *a, **kw)  # loads --load
         if not any(isinstance(m, Coverable) for chunk in model for m in chunk.modules()):
             raise UsageError(f"the model has no MeCeFO layers: build it with --spec {' '.join(SPEC)}")
@@ -146,18 +157,103 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
             save_checkpoint(args.iteration, model, optimizer, scheduler, args.num_floating_point_operations_so_far)
             return os.path.join(args.save, f"iter_{args.iteration:07d}")
 
+        def shard_dir(iteration=None):
+            return get_checkpoint_name(args.save, args.iteration if iteration is None else iteration,
+                                       return_base_dir=True)
+
         backend = args.distributed_backend
-        STATE.driver = Step.attach(cfg, STATE.job, model, optimizer, scheduler, tensor_parallel=args.tensor_model_parallel_size,
-                                 micro_batches=get_num_microbatches(), micro_batch_size=args.micro_batch_size,
-                                 backend=backend, train_iters=args.train_iters, start=args.iteration,
-                                 save=save if args.save else None, counters=counters)
+        with usage_errors():  # shard files that do not cover the state
+            STATE.driver = Step.attach(
+                cfg, STATE.job, model, optimizer, scheduler, tensor_parallel=args.tensor_model_parallel_size,
+                micro_batches=get_num_microbatches(), micro_batch_size=args.micro_batch_size, backend=backend,
+                train_iters=args.train_iters, start=args.iteration, save=save if args.save else None,
+                counters=counters, sharded=STATE.sharded, shard_dir=shard_dir if args.save else None,
+                load_shards=sharded_checkpoint(args) if STATE.sharded and args.iteration > 0 else None)
+        if STATE.sharded and args.save:
+            STATE.save_shards = lambda iteration=None: STATE.driver.sharded.save(shard_dir(iteration))
         rt = STATE.driver.runtime
         if STATE.lead() and not rt.rejoined:
             print(f" mecefo: job {rt.job_id} | {STATE.driver.recompute_note} | starting at iteration "
                   f"{args.iteration}", flush=True)
+            z = STATE.driver.sharded
+            if z is not None:
+                print(f" mecefo: optimizer state sharded over {len(z.layout.live)} replicas (shard_redundancy="
+                      f"{cfg.shard_redundancy}): {z.nbytes() / 2**20:.2f} MiB on this rank, replicated "
+                      f"{z.replicated_nbytes() / 2**20:.2f} MiB", flush=True)
         return model, optimizer, scheduler
 
     return setup_model_and_optimizer
+
+
+def sharded_checkpoint(args) -> Optional[str]:
+    """The directory of the checkpoint `--load` reads when it holds MeCeFO's optimizer shard files, else None."""
+    from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata
+
+    if not args.load or args.no_load_optim or args.finetune:
+        return None
+    iteration = getattr(args, "ckpt_step", None)
+    if iteration is None:
+        tracker = get_checkpoint_tracker_filename(args.load)
+        if not os.path.isfile(tracker):
+            return None
+        iteration, release = read_metadata(tracker)
+        if release:
+            return None
+    directory = get_checkpoint_name(args.load, iteration, return_base_dir=True)
+    return directory if glob.glob(os.path.join(directory, "mecefo_optim_*.pt")) else None
+
+
+def check_loaded_optimizer(args, sharded: bool) -> None:
+    """Refuse, before the model is built, a `--load` whose optimizer state this job cannot read."""
+    directory = sharded_checkpoint(args)
+    if directory is not None and not sharded:
+        raise UsageError(f"{directory} holds a sharded optimizer state (MeCeFO's shard files, written with "
+                         "--use-distributed-optimizer): resume with --use-distributed-optimizer, or pass "
+                         "--no-load-optim to restart the optimizer state")
+    if directory is None and args.load and not args.no_load_optim and not args.finetune and _distributed_optimizer_checkpoint(args):
+        raise UsageError(f"the checkpoint in {args.load} was written by Megatron's DistributedOptimizer, whose "
+                         "state MeCeFO cannot read (it keeps the optimizer state in its own shards): pass "
+                         "--no-load-optim to load the model and restart the optimizer state")
+
+
+def _distributed_optimizer_checkpoint(args) -> bool:
+    from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata
+
+    tracker = get_checkpoint_tracker_filename(args.load)
+    if not os.path.isfile(tracker):
+        return False
+    iteration, release = read_metadata(tracker)
+    directory = get_checkpoint_name(args.load, iteration, release, return_base_dir=True)
+    if glob.glob(os.path.join(directory, "**", "distrib_optim.pt"), recursive=True):  # the legacy format
+        return True
+    try:
+        from megatron.core import dist_checkpointing
+
+        metadata = dist_checkpointing.load_content_metadata(directory) or {}
+    except Exception:  # not a torch_dist checkpoint: upstream's load says what it is
+        return False
+    return "distrib_optim_sharding_type" in metadata
+
+
+def wrap_load_checkpoint(original: Callable) -> Callable:
+    """`megatron.training.training.load_checkpoint`: a checkpoint with MeCeFO's optimizer shards
+    has no moments in upstream's files, so upstream's optimizer must not ask for them (its
+    `init_state_fn` would create the whole state for the load to fill); the shard files are read
+    when the rank joins (Step.attach)."""
+
+    def load_checkpoint(model, optimizer, *a, **kw):
+        from megatron.training import get_args
+
+        if not STATE.active or optimizer is None or sharded_checkpoint(get_args()) is None:
+            return original(model, optimizer, *a, **kw)
+        with contextlib.ExitStack() as undo:
+            for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+                fn = inner.init_state_fn
+                inner.init_state_fn = lambda *_a, **_k: None
+                undo.callback(setattr, inner, "init_state_fn", fn)
+            return original(model, optimizer, *a, **kw)
+
+    return load_checkpoint
 
 
 def wrap_datasets(original: Callable) -> Callable:
