@@ -101,18 +101,19 @@ class MeCeFOEngine(DrivenHost):
                  clip_grad: float = 0.0) -> None:
         self.engine = engine
         self.clip_grad = clip_grad
-        """With tensor or pipeline parallelism the engine clips (schedule.clip_grad_norm), not DeepSpeed."""
-        sharded = runtime.grid.tp * runtime.grid.pp > 1
+        """With tensor or pipeline parallelism, or a sharded optimizer state, the engine clips
+        (schedule.clip_grad_norm), not DeepSpeed (engine_clipping)."""
+        self.sharded: Optional[ShardedOptimizer] = runtime.sharding
+        """The sharded optimizer state (ds_config zero stage 1), or None."""
+        clips = runtime.grid.tp * runtime.grid.pp > 1 or self.sharded is not None
         host = Host(module=engine.module, parameters=engine.module.parameters, optimizer_step=self._optimizer_step,
-                    zero_grad=engine.zero_grad, lr=self._lr, before_optimizer=self._clip if sharded else None)
+                    zero_grad=engine.zero_grad, lr=self._lr, before_optimizer=self._clip if clips else None)
         # micro-batches run one at a time here: recompute_ffn="auto" resolves to off
         self.driver = StepDriver(runtime, cfg, host, micro_batch_size=micro_batch_size)
         self.runtime = runtime
         self.micro_batch_size = micro_batch_size
         self.recompute_note = self.driver.recompute_note
         self.engine.enable_backward_allreduce = False  # the runtime reduces across replicas
-        self.sharded: Optional[ShardedOptimizer] = runtime.sharding
-        """The sharded optimizer state (ds_config zero stage 1), or None."""
         self._plan: Optional[StepPlan] = None
         self._done = 0
         self._loss_sum = 0.0
@@ -201,7 +202,9 @@ class MeCeFOEngine(DrivenHost):
     def _clip(self) -> None:
         from megatron_mecefo.deepspeed_hook.schedule import clip_grad_norm
 
-        clip_grad_norm(self.engine.module, self.clip_grad)
+        z = self.sharded  # a reduce-scattered step: the tensors hold this rank's ranges only
+        clip_grad_norm(self.engine.module, self.clip_grad,
+                       grad_norm_sq=z.grad_norm_sq if z is not None and z.grad_sq is not None else None)
 
     def _lr(self) -> Optional[float]:
         try:
@@ -272,9 +275,8 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
                          "parallelism are not supported with MeCeFO yet: untie them (Megatron: "
                          "--untie-embeddings-and-output-weights)")
     ds_config, k, mb = replica_ds_config(config, job.world // (tp * pp))
-    clip = 0.0
-    if tp * pp > 1:  # DeepSpeed's clipping miscounts pipeline stages > 0: the engine clips instead
-        clip = float(ds_config.pop("gradient_clipping", 0.0) or 0.0)
+    sharded = cfg.enable and zero_stage(config) == 1
+    clip = engine_clipping(ds_config, model_parallel=tp * pp, sharded=sharded)
     if mpu is None:
         if parallel_state.model_parallel_is_initialized():
             from megatron_mecefo.deepspeed_hook.mpu import MegatronMPU
@@ -291,8 +293,17 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
     save = (lambda: save_checkpoint(engine, save_dir)) if save_dir is not None else None
     return attach_runtime(engine, cfg, job, tensor_parallel=tp, pipeline_parallel=pp, micro_batches=k,
                           micro_batch_size=mb, clip_grad=clip, backend=backend, train_iters=train_iters,
-                          save=save, load=load, save_dir=save_dir, load_dir=load_dir,
-                          sharded=cfg.enable and zero_stage(config) == 1)
+                          save=save, load=load, save_dir=save_dir, load_dir=load_dir, sharded=sharded)
+
+
+def engine_clipping(ds_config: Dict[str, Any], *, model_parallel: int, sharded: bool) -> float:
+    """Where MeCeFOEngine clips instead of DeepSpeed, pop ds_config's "gradient_clipping" and return
+    it (0.0: DeepSpeed clips, or nobody): with tensor or pipeline parallelism (DeepSpeed's clipping
+    miscounts pipeline stages > 0) and with a sharded optimizer state (the reduce-scattered
+    gradients are whole only in their owners' ranges; the norm comes from the shards)."""
+    if model_parallel > 1 or sharded:
+        return float(ds_config.pop("gradient_clipping", 0.0) or 0.0)
+    return 0.0
 
 
 def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: int, pipeline_parallel: int,

@@ -73,21 +73,31 @@ def forward_backward(model: torch.nn.Module, forward_step_func: Callable, batche
     return losses
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+def clip_grad_norm(model: torch.nn.Module, max_norm: float,
+                   grad_norm_sq: Optional[Callable[[torch.nn.Parameter], Optional[float]]] = None) -> float:
     """Clip the gradients of `model` (one replica's shard) to the global norm `max_norm`; returns
     the norm before clipping. Every rank of the replica must call it (a collective over its
-    tensor- and pipeline-parallel ranks). Megatron-Core's clip_grads does the same on CUDA only."""
+    tensor- and pipeline-parallel ranks). Megatron-Core's clip_grads does the same on CUDA only.
+
+    `grad_norm_sq`: a parameter's squared gradient norm, where the tensors do not hold the whole
+    gradient (a reduce-scattered step: ShardedOptimizer.grad_norm_sq); None: from the tensors.
+    Without Megatron's model-parallel groups (a plain model) the norm is this rank's."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     params = [p for p in model.parameters() if p.grad is not None]
-    counted = [p.grad.detach().float() for p in params if param_is_not_tensor_parallel_duplicate(p)]
+    counted = [p for p in params if param_is_not_tensor_parallel_duplicate(p)]
     device = params[0].grad.device if params else torch.device("cpu")
-    square = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in counted]).sum() if counted else \
-        torch.zeros((), device=device)
+    if grad_norm_sq is not None:
+        square = torch.tensor([sum(grad_norm_sq(p) for p in counted)], dtype=torch.float32, device=device)
+    elif counted:
+        square = torch.stack([torch.linalg.vector_norm(p.grad.detach().float()) ** 2 for p in counted]).sum()
+    else:
+        square = torch.zeros((), device=device)
     square = square.reshape(1)
-    dist.all_reduce(square, group=ps.get_model_parallel_group())
+    if ps.model_parallel_is_initialized():
+        dist.all_reduce(square, group=ps.get_model_parallel_group())
     norm = float(square.sqrt())
     coeff = max_norm / (norm + 1e-6)
     if max_norm > 0 and coeff < 1.0:

@@ -12,7 +12,7 @@ import torch
 from megatron_mecefo.elastic import groups
 from megatron_mecefo.params import GradGroup, grad_group
 
-__all__ = ["reduce_with_divisors"]
+__all__ = ["reduce_with_divisors", "divisor_scale"]
 
 
 def reduce_with_divisors(group, params: Sequence[torch.nn.Parameter], stats: Sequence[float], *, divisor: int,
@@ -42,14 +42,18 @@ def reduce_with_divisors(group, params: Sequence[torch.nn.Parameter], stats: Seq
     offset = 0
     for p, g in zip(params, grads):
         n = g.numel()
-        if grad_group(p) is GradGroup.MHA:
-            scale = 1.0 / divisor_mha if divisor_mha else 0.0
-        else:
-            scale = 1.0 / divisor
-        reduced = flat[offset:offset + n] * scale
+        reduced = flat[offset:offset + n] * divisor_scale(p, divisor, divisor_mha)
         if attr == "grad":
             p.grad = reduced.view_as(p).to(p.dtype)
         else:
             g.copy_(reduced.view_as(g))
         offset += n
     return flat[offset:].cpu().tolist()
+
+
+def divisor_scale(p: torch.Tensor, divisor: int, divisor_mha: int) -> float:
+    """What `p`'s summed gradient is multiplied by: 1 / the fold's divisor of its group (attention
+    gradients: the micro-batches that computed one; 0 when none did)."""
+    if grad_group(p) is GradGroup.MHA:
+        return 1.0 / divisor_mha if divisor_mha else 0.0
+    return 1.0 / divisor

@@ -69,15 +69,19 @@ class PeerAborted(RuntimeError):
 
 def allreduce_sum_(group, tensor: torch.Tensor, should_abort: Optional[Callable[[], bool]] = None,
                    poll_s: float = 0.05) -> None:
-    """In-place SUM all-reduce over `group`; raises on a peer failure or timeout.
+    """In-place SUM all-reduce over `group`; raises on a peer failure or timeout (see wait_)."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    wait_(group.allreduce([tensor], opts), should_abort, poll_s)
+
+
+def wait_(work, should_abort: Optional[Callable[[], bool]] = None, poll_s: float = 0.05) -> None:
+    """Wait for a collective's `work`; raises on a peer failure or timeout.
 
     With `should_abort`, the wait polls it every `poll_s`: a member whose peer already declared the
     step failed stops waiting at once instead of after the group's timeout (a survivor that gave
     up no longer feeds the collective, so without this the others would wait for the timeout).
     """
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
-    work = group.allreduce([tensor], opts)
     if should_abort is None:
         work.wait()
         return

@@ -41,7 +41,8 @@ from megatron_mecefo.elastic import groups
 from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.elastic.fold import Fold, FoldPolicy, fold_neighbor
 from megatron_mecefo.elastic.give_up import write_checkpoint
-from megatron_mecefo.elastic.gradients import reduce_with_divisors
+from megatron_mecefo.elastic.gradients import divisor_scale, reduce_with_divisors
+from megatron_mecefo.elastic.shard_grads import reduce_scatter_with_divisors
 from megatron_mecefo.elastic.inject import FaultInjector, check_rules, job_trace
 from megatron_mecefo.elastic.membership import Agreement, Membership, OrphanWatch
 from megatron_mecefo.elastic.replica import mark_started
@@ -355,15 +356,25 @@ class ElasticRuntime:
         `commit()` refuses a step whose members did not run the whole global batch (dp x k).
         `attr`: where the gradient is: "grad", or "main_grad" (Megatron's DDP gradient buffers,
         reduced in place so the buffers stay what its optimizer reads).
+        With a sharded optimizer state over these parameters the gradients are reduce-scattered
+        instead (shard_grads.py): each rank gets the ranges it holds, zeros elsewhere.
         """
         params = [p for p in params if p.requires_grad]
         if self._error is not None:
             return [0.0] * len(stats)
         self.injector.maybe_fire(self.step, "allreduce")
         extra = list(stats) + ([float(micro_batches)] if micro_batches is not None else [])
+        fold = self._fold
         try:
-            out = reduce_with_divisors(self.group, params, extra, divisor=self._fold.divisor,
-                                       divisor_mha=self._fold.divisor_mha, attr=attr, should_abort=self._step_aborted)
+            if self.sharding is not None and self.sharding.reduces(params):  # each rank's range only
+                out = reduce_scatter_with_divisors(
+                    self.sharding, self.group, extra, attr=attr, should_abort=self._step_aborted,
+                    scale=lambda p: divisor_scale(p, fold.divisor, fold.divisor_mha))
+            else:
+                if self.sharding is not None:
+                    self.sharding.grad_sq = None
+                out = reduce_with_divisors(self.group, params, extra, divisor=fold.divisor,
+                                           divisor_mha=fold.divisor_mha, attr=attr, should_abort=self._step_aborted)
         except Exception as e:  # gloo: connection closed / timed out; or a peer gave up first
             self.report_error(e)
             return [0.0] * len(stats)

@@ -127,6 +127,12 @@ class ShardedOptimizer:
                 n += p.numel()
             self.group_bounds.append((lo, n))
         self.numel = n
+        self.sources: List[torch.Tensor] = list(self.params)
+        """The host parameters whose gradients the runtime reduces, one per optimizer parameter (the
+        same tensors, or the model parameters of a mixed-precision wrapper's fp32 copies)."""
+        self.grad_sq: Optional[Dict[int, float]] = None
+        """id(source or optimizer parameter) -> the squared norm of its reduced gradient in the last
+        reduce-scatter (shard_grads.py); None after an all-reduce."""
         self.keys, self.fresh_scalars = _probe(optimizer)
         self.layout: Optional[ShardLayout] = None
         """The layout this rank's state is in (None: the whole state, before the first generation)."""
@@ -141,16 +147,66 @@ class ShardedOptimizer:
 
     @classmethod
     def for_job(cls, optimizer, cfg, job, *, tensor_parallel: int, pipeline_parallel: int,
-                on_parameters: Optional[Callable[[], None]] = None) -> "ShardedOptimizer":
+                on_parameters: Optional[Callable[[], None]] = None,
+                sources: Optional[Dict[int, torch.Tensor]] = None) -> "ShardedOptimizer":
         """The sharded state of the torch optimizer inside a host's `optimizer` (DeepSpeed's engine,
         Megatron's wrappers) for this rank's (tp, pp) position of `job` (a LaunchEnv), as the
-        MeCeFOConfig `cfg` asks (shard_redundancy, on_shard_loss)."""
+        MeCeFOConfig `cfg` asks (shard_redundancy, on_shard_loss). `sources`: id(optimizer
+        parameter) -> the host parameter holding its gradient, where they differ."""
         from megatron_mecefo.elastic.topology import Grid
 
         tp, pp = Grid(tp=tensor_parallel, pp=pipeline_parallel,
                       dp=job.world // (tensor_parallel * pipeline_parallel)).position(job.rank)
-        return cls(innermost_optimizer(optimizer), tag=f"t{tp}p{pp}", neighbour_copy=cfg.shard_redundancy == "neighbour",
-                   on_loss=cfg.on_shard_loss, on_parameters=on_parameters)
+        out = cls(innermost_optimizer(optimizer), tag=f"t{tp}p{pp}", neighbour_copy=cfg.shard_redundancy == "neighbour",
+                  on_loss=cfg.on_shard_loss, on_parameters=on_parameters)
+        if sources:
+            out.sources = [sources.get(id(p), p) for p in out.params]
+        return out
+
+    # -- the gradients of a sharded step (shard_grads.py reduce-scatters them) ----------------------
+
+    def reduces(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether the gradients of `params` (what the runtime reduces) are exactly the sources':
+        then they are reduce-scattered, else all-reduced."""
+        return (self.layout is not None and len(params) == len(self.sources)
+                and {id(p) for p in params} == {id(s) for s in self.sources}
+                and all(s.numel() == p.numel() for s, p in zip(self.sources, self.params)))
+
+    def read_sources(self, start: int, end: int, attr: str, out: torch.Tensor) -> None:
+        for p, sl, at in self._spans(start, end, self.sources):
+            g = getattr(p, attr, None)
+            if g is not None:
+                out[at:at + sl.stop - sl.start] = g.reshape(-1)[sl]
+
+    def scale_by_source(self, start: int, end: int, values: torch.Tensor, scale: Callable) -> torch.Tensor:
+        out = values.clone()
+        for p, sl, at in self._spans(start, end, self.sources):
+            out[at:at + sl.stop - sl.start] *= scale(p)
+        return out
+
+    def sq_by_source(self, start: int, values: torch.Tensor, out: torch.Tensor) -> None:
+        index = {id(p): i for i, p in enumerate(self.sources)}
+        for p, sl, at in self._spans(start, start + values.numel(), self.sources):
+            out[index[id(p)]] += values[at:at + sl.stop - sl.start].double().square().sum()
+
+    def write_sources(self, attr: str, ranges) -> None:
+        """Zero the sources' gradients, then write the (start, values) ranges into them."""
+        with torch.no_grad():
+            for p in self.sources:
+                if getattr(p, attr, None) is None:
+                    setattr(p, attr, torch.zeros_like(p))
+                getattr(p, attr).zero_()
+            for start, values in ranges:
+                for p, sl, at in self._spans(start, start + values.numel(), self.sources):
+                    g = getattr(p, attr)
+                    g.view(-1)[sl] = values[at:at + sl.stop - sl.start].to(g.dtype)
+
+    def grad_norm_sq(self, param: torch.Tensor) -> Optional[float]:
+        """The squared norm of `param`'s reduced gradient in this step (a source or an optimizer
+        parameter); None when the last reduction was not a reduce-scatter."""
+        if self.grad_sq is None:
+            return None
+        return self.grad_sq[id(param)]
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -203,9 +259,10 @@ class ShardedOptimizer:
 
     # -- flat access to the parameters ------------------------------------------------------------
 
-    def _spans(self, start: int, end: int):
-        """(param, its flat slice, offset in [start, end)) of the parameters overlapping the range."""
-        for p, off in zip(self.params, self.offsets):
+    def _spans(self, start: int, end: int, tensors: Optional[Sequence[torch.Tensor]] = None):
+        """(param, its flat slice, offset in [start, end)) of the parameters (or of `tensors`, one
+        per parameter) overlapping the range."""
+        for p, off in zip(self.params if tensors is None else tensors, self.offsets):
             a, b = max(start, off), min(end, off + p.numel())
             if a < b:
                 yield p, slice(a - off, b - off), a - start

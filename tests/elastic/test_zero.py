@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_mecefo.elastic.zero import ShardedOptimizer, ShardLost
+from megatron_mecefo.params import GradGroup
 
 pytestmark = pytest.mark.dist
 
@@ -167,3 +168,57 @@ def test_reinit_restarts_only_the_lost_range_as_a_fresh_adamw(tmp_path):
     for s in range(5, 8):
         got = resumed[0][s]
         assert torch.equal(got[:a], full[s][:a]) and torch.equal(got[a:b], restarted[s][a:b]), s
+
+
+def rs_worker(rank, port, world, neighbour, out):
+    """Every rank's own summed gradients (and stats), reduced both ways over one gloo group."""
+    from megatron_mecefo.elastic.gradients import divisor_scale, reduce_with_divisors
+    from megatron_mecefo.elastic.shard_grads import reduce_scatter_with_divisors
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
+    live = list(range(world))
+    m = model()
+    m[2].weight.mecefo_grad_group = GradGroup.MHA  # one attention-like parameter: its own divisor
+    sharded = ShardedOptimizer(optimizer(m), neighbour_copy=neighbour)
+    sharded.install(sharded.regroup(group_of(store, 0, live, rank), live, live, live, rank, replicas_total=world))
+    group = group_of(store, 1, live, rank)
+
+    def local():
+        g = torch.Generator().manual_seed(7 + rank)
+        for p in m.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+
+    local()
+    stats = reduce_with_divisors(group, list(m.parameters()), [1.0 + rank, 2.0], divisor=6, divisor_mha=4)
+    whole = [p.grad.clone() for p in sharded.params]  # the layout's order: the optimizer's groups
+    local()
+    scattered_stats = reduce_scatter_with_divisors(sharded, group, [1.0 + rank, 2.0], attr="grad",
+                                                   scale=lambda p: divisor_scale(p, 6, 4))
+    torch.save({"stats": (stats, scattered_stats), "whole": whole, "got": [p.grad.clone() for p in sharded.params],
+                "sq": [sharded.grad_norm_sq(p) for p in sharded.params],
+                "held": [(a, b) for a, b in sharded.layout.held(rank).values()]}, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("neighbour", [True, False])
+def test_reduce_scatter_gives_each_rank_its_ranges_of_the_all_reduced_gradient(tmp_path, neighbour):
+    """The sharded step's reduction (shard_grads.py) against the all-reduce: each rank holds the
+    all-reduced, divided gradient on its shard (and on its copy, from the copy's owner), zeros
+    elsewhere; the per-parameter squared norms are the whole gradient's on every rank."""
+    world = 3
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(rs_worker, args=(port, world, neighbour, str(tmp_path)), nprocs=world, join=True)
+    for rank in range(world):
+        rec = torch.load(tmp_path / f"rank{rank}.pt")
+        assert rec["stats"][0] == rec["stats"][1] == [6.0, 6.0]
+        whole = torch.cat([g.reshape(-1) for g in rec["whole"]])
+        got = torch.cat([g.reshape(-1) for g in rec["got"]])
+        mask = torch.zeros_like(whole, dtype=torch.bool)
+        for a, b in rec["held"]:
+            mask[a:b] = True
+        assert len(rec["held"]) == (2 if neighbour else 1)
+        assert torch.allclose(got[mask], whole[mask], rtol=1e-6, atol=1e-7) and not got[~mask].any()
+        for g, sq in zip(rec["whole"], rec["sq"]):
+            assert sq == pytest.approx(float(g.double().square().sum()), rel=1e-6)

@@ -128,7 +128,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
             return original(model_provider_func, model_type, *a, **kw)
         from megatron import get_args, get_num_microbatches
 
-        from megatron_mecefo.deepspeed_hook.engine import attach_runtime, replica_ds_config, zero_stage
+        from megatron_mecefo.deepspeed_hook.engine import attach_runtime, engine_clipping, replica_ds_config, zero_stage
         from megatron_mecefo.integrations.megatron_deepspeed.layers import wrap_model
 
         args, cfg = get_args(), STATE.cfg
@@ -142,6 +142,9 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         # upstream's schedules (evaluation) set the accumulation boundary themselves, which DeepSpeed
         # allows in managed mode only; train_step sets it before each step (one step() per step)
         ds_config.pop("managed_gradient_accumulation", None)
+        # sharded: the engine clips with the norm of the reduce-scattered gradients (DeepSpeed's
+        # clipping over TP stays as upstream has it otherwise)
+        clip = engine_clipping(ds_config, model_parallel=1, sharded=sharded)
         args.deepspeed_config_dict = ds_config
 
         def provider(*pa, **pk):
@@ -165,7 +168,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         STATE.driver = attach_runtime(engine, cfg, STATE.job, tensor_parallel=args.tensor_model_parallel_size,
                                       pipeline_parallel=1, micro_batches=k, micro_batch_size=mb, backend=backend,
                                       train_iters=args.train_iters, save=save if args.save else None,
-                                      sharded=sharded, save_dir=args.save, load_dir=args.load,
+                                      sharded=sharded, save_dir=args.save, load_dir=args.load, clip_grad=clip,
                                       extra_state=counters,
                                       module_state=(engine.module.state_dict_for_save_checkpoint,
                                                     engine.module.load_state_dict))

@@ -16,8 +16,8 @@ calls the upstream function unchanged. With it the job is fault tolerant: start 
 
 Layers: MeCeFO's Megatron-Core spec (`megatron_mecefo.layers.specs mecefo_gpt_layer_spec`) is used
 unless `--spec` names it already. Scope: tensor parallelism >= 1, pipeline parallelism 1, Megatron's
-DDP without the distributed optimizer or overlapped gradient reduction, fp32 or bf16, dense
-layers. What is refused, and why, is in training.check_args.
+DDP without overlapped gradient reduction (`--use-distributed-optimizer`: MeCeFO shards the
+optimizer state over the replicas), fp32 or bf16, dense layers. What is refused, and why, is in training.check_args.
 """
 
 from __future__ import annotations

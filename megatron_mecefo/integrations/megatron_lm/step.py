@@ -66,12 +66,7 @@ class Step(DrivenHost):
 
         shards = None
         if sharded:
-            inner = getattr(optimizer, "chained_optimizers", [optimizer])
-            # Megatron's mixed-precision optimizer steps fp32 copies: the model's bf16 parameters
-            # follow them after a re-shard re-sent them
-            refresh = getattr(inner[0], "_copy_main_params_to_model_params", None) if len(inner) == 1 else None
-            shards = ShardedOptimizer.for_job(optimizer, cfg, job, tensor_parallel=tensor_parallel, pipeline_parallel=1,
-                                              on_parameters=refresh)
+            shards = _sharded(optimizer, cfg, job, tensor_parallel)
             if load_shards is not None and job.incarnation == 0:
                 shards.load(load_shards)
         runtime = ElasticRuntime.for_job(
@@ -165,6 +160,39 @@ class Step(DrivenHost):
                 loss_sum, tokens = loss_sum + float(value[0]), tokens + 1
         # the schedule averaged over the plan's n micro-batches
         return self.driver.finish(loss_sum=loss_sum, loss_count=tokens, micro_batches=n, averaged_over=n)
+
+
+def _sharded(optimizer, cfg: MeCeFOConfig, job: LaunchEnv, tensor_parallel: int) -> ShardedOptimizer:
+    """The sharded state of Megatron's (plain) optimizer: a ChainedOptimizer of one
+    Float16OptimizerWithFloat16Params (fp32 copies of the bf16 model parameters, the model's
+    `main_grad` their gradients) or FP32Optimizer (the model parameters themselves). Its gradient
+    norm comes from the reduce-scattered shards (shard_grads.py), through upstream's own filter
+    of what counts (not shared, not a tensor-parallel duplicate)."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(inner) != 1:
+        raise ValueError(f"the sharded optimizer state needs one Megatron optimizer; the model has {len(inner)}")
+    megatron_opt = inner[0]
+    sources = {}
+    for model_group, main_group in zip(getattr(megatron_opt, "float16_groups", []),
+                                       getattr(megatron_opt, "fp32_from_float16_groups", [])):
+        for model_param, main_param in zip(model_group, main_group):
+            sources[id(main_param)] = model_param
+    # after a re-shard re-sent the fp32 copies, the bf16 model parameters follow them
+    refresh = getattr(megatron_opt, "_copy_main_params_to_model_params", None)
+    shards = ShardedOptimizer.for_job(optimizer, cfg, job, tensor_parallel=tensor_parallel, pipeline_parallel=1,
+                                      on_parameters=refresh, sources=sources)
+    counted = megatron_opt.get_main_grads_for_grad_norm
+
+    def get_main_grads_for_grad_norm():
+        grads = counted()
+        if shards.grad_sq is None:  # an all-reduced step: the tensors are whole
+            return grads
+        owner = {id(p.grad): p for p in megatron_opt.get_parameters() if p.grad is not None}
+        return [torch.tensor([shards.grad_norm_sq(owner[id(g)]) ** 0.5], dtype=torch.float32, device=g.device)
+                for g in grads]
+
+    megatron_opt.get_main_grads_for_grad_norm = get_main_grads_for_grad_norm
+    return shards
 
 
 class _Gate:

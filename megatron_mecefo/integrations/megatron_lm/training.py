@@ -72,6 +72,9 @@ def check_args(args, cfg: MeCeFOConfig, world: int) -> None:
          "across replicas after the step's micro-batches)"),
         (args.fp16, "--mecefo does not support --fp16 yet (a dynamic loss scale skips steps): use --bf16 or fp32"),
         (args.calculate_per_token_loss, "--mecefo does not support --calculate-per-token-loss"),
+        (args.use_distributed_optimizer and args.log_num_zeros_in_grad,
+         "--log-num-zeros-in-grad counts zeros in the whole gradient; with --use-distributed-optimizer MeCeFO "
+         "reduce-scatters it over the replicas: drop the flag"),
         (bool(getattr(args, "decrease_batch_size_if_needed", False)), "--mecefo does not support --decrease-batch-size-if-needed"),
         (args.data_parallel_random_init,
          "--mecefo does not support --data-parallel-random-init (replicas must start identical)"),
