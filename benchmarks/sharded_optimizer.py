@@ -10,7 +10,12 @@ memory per rank, healthy step time, and recovery with a re-shard.
 - Recovery at D = 4 with stage 1: a rank SIGKILLed in the backward of step 4; the survivors'
   detect -> regroup (agreement, group, re-shard) from the event log, beside the same kill at stage 0.
 - The per-parameter formula applied to 7B at D = 32 (AdamW, bf16 parameters, fp32 master + moments:
-  12 bytes of optimizer state per parameter), beside Megatron's two distributed-optimizer instances.
+  12 bytes of optimizer state per parameter), beside Megatron's two distributed-optimizer instances,
+  and what this implementation holds with bf16 parameters today (the host's mixed-precision
+  wrapper keeps its whole fp32 copy: 4 bytes per parameter more).
+- Bytes each rank receives per step per gradient element (formula): replicated all-reduce, sharded
+  with an all-reduce, sharded with NCCL's reduce-scatter and the copy's range (shard_grads.py), each
+  with the parameters' all-gather where sharded.
 
     python benchmarks/sharded_optimizer.py   # ~5 min on 2 cores; writes benchmarks/results/sharded_optimizer.json
 """
@@ -121,6 +126,17 @@ def main():
                 "second distributed-optimizer instance costs, and it is what the covering rank needs: the "
                 "survivors re-shard in place instead of waiting for spares",
     }
+    result["formula_7b_d32"]["bytes_per_parameter"]["mecefo_bf16_today"] = 4 + 24 / d
+    result["formula_7b_d32"]["gb_per_rank"]["mecefo_bf16_today"] = (4 + 24 / d) * n / gb
+    result["bytes_received_per_gradient_element"] = {
+        f"d{d}": {"replicated_allreduce": 2 * (d - 1) / d,
+                  "sharded_allreduce_and_gather": 3 * (d - 1) / d,
+                  "sharded_reduce_scatter_copy_and_gather": 2 * (d - 1) / d + 1 / d,
+                  "sharded_reduce_scatter_and_gather_no_copy": 2 * (d - 1) / d}
+        for d in (2, 4, 8, 32)}
+    result["bytes_note"] = ("NCCL's reduce-scatter runs on GPUs; on gloo (this benchmark's step times) the sharded "
+                            "step all-reduces the chunks (gloo's reduce-scatter cannot be waited on with an abort "
+                            "check), so the CPU step time carries the all-reduce's bytes plus the gather")
     path = ROOT / "benchmarks/results/sharded_optimizer.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

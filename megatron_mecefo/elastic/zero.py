@@ -10,13 +10,13 @@ A rank keeps, for its shard and its copy, an fp32 master of the range and the op
 state (AdamW: exp_avg, exp_avg_sq), driven by an optimizer of the host's class over views of them,
 with the host's hyperparameters (the learning-rate schedule, weight-decay groups) copied in every step.
 
-Per step (after MeCeFO's all-reduce of the gradients: every rank holds the whole reduced gradient):
+Per step (after the runtime reduce-scattered the gradients, shard_grads.py: a rank holds the reduced
+gradient of its shard and of its copy):
 - the owner updates its shard and the copy holder the copy, from the same gradient and state:
-  bit-identical, with no bytes moved for the copy (a second update of 1/D of the parameters);
+  bit-identical (a second update of 1/D of the parameters);
 - the updated shards are all-gathered (each rank receives (D-1)/D of the parameters).
-A reduce-scatter would move half the gradient bytes, but then the copy holder needs its copy's
-gradient too; on gloo (no reduce-scatter) the all-reduce is what runs. Knows tensors and a group,
-not the protocol: the runtime calls `regroup` / `install`, the step driver reads `gather_error`.
+Knows tensors and a group, not the protocol: the runtime calls `regroup` / `install` and the
+reduction, the step driver reads `gather_error`.
 
 The gather runs after the commit. If a peer dies in it, the step stands (every holder of every range
 took it): `gather_error` is set and the runtime regroups at once; `regroup` re-sends every range's
