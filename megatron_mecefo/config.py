@@ -115,17 +115,19 @@ class MeCeFOConfig:
     ones; the paper's rule, attention gradients averaged over non-covering ranks only) or "adopted"
     (its own micro-batches stay exact)."""
     shard_redundancy: str = "neighbour"
-    """With a sharded optimizer state (ds_config "zero_optimization.stage": 1): "neighbour" keeps a
-    copy of each replica's shard, current at every step, on the replica that covers it (twice the
-    sharded state's memory; no extra bytes moved per step), so a failed replica's shard is re-sharded
-    from it; "none" keeps no copy (plain ZeRO-1 memory): losing a replica then loses its shard,
-    which on_shard_loss handles."""
+    """With a sharded optimizer state (ds_config "zero_optimization.stage": 1, Megatron-LM's
+    --use-distributed-optimizer): "neighbour" keeps a copy of each replica's shard, current at every
+    step, on the replica that covers it (twice the sharded state's memory; the owner sends the
+    copy's 1/D of the reduced gradient each step), so a failed replica's shard is re-sharded from
+    it; "none" keeps no copy (plain ZeRO-1 memory): losing a replica then loses its shard, which
+    on_shard_loss handles."""
     on_shard_loss: str = "give_up"
     """When a range of the sharded optimizer state has no live holder left (its owner and the holder
     of its copy failed in one step, or shard_redundancy is "none"): "give_up" ends the job with a
-    checkpoint (every holder writes its ranges); "reinit" rebuilds the range and goes on: its fp32
-    master from the parameters every replica holds, its moments zero and its step count 0 (the bias
-    correction of a fresh start, for that range only); the cost in loss is in docs/results.md."""
+    checkpoint (every holder writes its ranges); "reinit" rebuilds the range and goes on: its
+    parameters as one survivor holds them (re-sent to all), its moments zero and its step count 0
+    (the bias correction of a fresh start, for that range only); the cost in loss is in
+    docs/results.md."""
     collective_timeout_s: float = 60.0
     """Timeout of the data-parallel collectives, and of the tensor- and pipeline-parallel ones inside a
     replica: a hung rank stalls the others at most this long. Must exceed the longest normal wait at

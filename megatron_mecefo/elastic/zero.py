@@ -6,9 +6,11 @@ owner, and re-sharded from those holders when the generation changes.
     runtime = ElasticRuntime(..., sharding=sharded) # the runtime re-shards at every new generation
 
 The flat range [0, numel) is the optimizer's parameters in param-group order; shards.py lays it out.
-A rank keeps, for its shard and its copy, an fp32 master of the range and the optimizer's per-element
-state (AdamW: exp_avg, exp_avg_sq), driven by an optimizer of the host's class over views of them,
-with the host's hyperparameters (the learning-rate schedule, weight-decay groups) copied in every step.
+A rank keeps, for its shard and its copy, the optimizer's per-element state (AdamW: exp_avg,
+exp_avg_sq), driven by an optimizer of the host's class over views of the optimizer's own fp32
+parameters in that range (the model's, or a mixed-precision wrapper's fp32 copies: every rank has
+them whole, so no second master is kept) and of the state, with the host's hyperparameters (the
+learning-rate schedule, weight-decay groups) copied in every step.
 
 Per step (after the runtime reduce-scattered the gradients, shard_grads.py: a rank holds the reduced
 gradient of its shard and of its copy):
@@ -80,23 +82,24 @@ def _probe(optimizer: torch.optim.Optimizer) -> Tuple[List[str], Dict[str, torch
 
 @dataclasses.dataclass
 class _Held:
-    """One held range: its fp32 master, per-element state, and the optimizer over views of them.
+    """One held range: its per-element state, and the optimizer over views of it and of the
+    optimizer's parameters in the range.
 
     The optimizer's scalars (AdamW: "step") are per segment: a range rebuilt after a loss
     (`on_shard_loss: "reinit"`) restarts at step 0 while the rest of the range goes on."""
 
     start: int
     end: int
-    master: torch.Tensor
     state: Dict[str, torch.Tensor]
     scalars: Dict[str, torch.Tensor]
     """Per element while the range is being filled (a re-shard); `_bind` makes segments of them."""
     parts: List[Tuple[torch.nn.Parameter, int, int, int]] = dataclasses.field(default_factory=list)
-    """(the optimizer's parameter: a view of the master, host param group, flat start, flat end)."""
+    """(the inner optimizer's parameter: a view of one host parameter's slice, host param group,
+    flat start, flat end); one param group each."""
     inner: Optional[torch.optim.Optimizer] = None
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [self.master, *self.state.values()])
+        return sum(t.numel() * t.element_size() for t in self.state.values())
 
 
 class ShardedOptimizer:
@@ -122,6 +125,9 @@ class ShardedOptimizer:
         for group in optimizer.param_groups:
             lo = n
             for p in group["params"]:
+                if p.dtype != torch.float32:
+                    raise ValueError(f"the sharded optimizer needs fp32 optimizer parameters (an fp32 model, or a "
+                                     f"mixed-precision wrapper's fp32 copies); found {p.dtype}")
                 self.params.append(p)
                 self.offsets.append(n)
                 n += p.numel()
@@ -232,7 +238,7 @@ class ShardedOptimizer:
             for k, v in self.optimizer.param_groups[g].items():
                 if k != "params":
                     group[k] = v
-            m.grad = self._read(lo, hi, grad=True)
+            m.grad = self._read(lo, hi, grad=True)  # a copy: the host's gradient tensor stays its own
         held.inner.step()
         for m, g, lo, hi in held.parts:
             m.grad = None
@@ -241,7 +247,6 @@ class ShardedOptimizer:
                 if st[k].data_ptr() != held.state[k][lo - held.start:].data_ptr():
                     raise RuntimeError(f"{type(self.optimizer).__name__} replaced its state {k!r} instead of updating "
                                        "it in place: it cannot be sharded")
-        self._write(held.start, held.master)
 
     def _gather(self) -> None:
         live = self.layout.live
@@ -249,7 +254,7 @@ class ShardedOptimizer:
         width = max(b - a for a, b in sizes)
         mine = self.held["shard"]
         inp = torch.zeros(width, dtype=torch.float32)
-        inp[:mine.end - mine.start] = mine.master
+        inp[:mine.end - mine.start] = self._read(mine.start, mine.end)
         outs = [torch.empty(width, dtype=torch.float32) for _ in self._group_replicas]
         self.group.allgather([outs], [inp]).wait()
         for replica, out in zip(self._group_replicas, outs):
@@ -284,22 +289,23 @@ class ShardedOptimizer:
 
     def _new_held(self, start: int, end: int) -> _Held:
         n = end - start
-        return _Held(start, end, self._read(start, end), {k: torch.zeros(n) for k in self.keys},
+        return _Held(start, end, {k: torch.zeros(n) for k in self.keys},
                      {k: torch.full((n,), float(v)) for k, v in self.fresh_scalars.items()})
 
     def _bind(self, held: _Held) -> None:
         """The host class's optimizer over views of the held range: one param group per (host param
-        group, segment of equal scalars), with the host group's hyperparameters."""
+        group, segment of equal scalars, parameter), with the host group's hyperparameters."""
         groups = []
         for a, b in _segments(held.scalars, held.start, held.end - held.start):
             for g, (lo, hi) in enumerate(self.group_bounds):
                 lo, hi = max(a, lo), min(b, hi)
                 if lo >= hi:
                     continue
-                m = torch.nn.Parameter(held.master[lo - held.start:hi - held.start])
                 hyper = {k: v for k, v in self.optimizer.param_groups[g].items() if k != "params"}
-                groups.append({"params": [m], **hyper})
-                held.parts.append((m, g, lo, hi))
+                for p, sl, at in self._spans(lo, hi):  # the optimizer's own parameter, updated in place
+                    m = torch.nn.Parameter(p.detach().view(-1)[sl])
+                    groups.append({"params": [m], **hyper})
+                    held.parts.append((m, g, lo + at, lo + at + sl.stop - sl.start))
         held.inner = type(self.optimizer)(groups) if groups else None
         for m, g, lo, hi in held.parts:
             st = {k: held.state[k][lo - held.start:hi - held.start] for k in self.keys}
@@ -319,12 +325,13 @@ class ShardedOptimizer:
         return out
 
     def nbytes(self) -> int:
-        """Bytes of optimizer state this rank holds (masters, per-element state) now."""
+        """Bytes of optimizer state this rank holds (the per-element state of its ranges) now."""
         return sum(h.nbytes() for h in self.held.values())
 
     def replicated_nbytes(self) -> int:
-        """What a replicated optimizer of the same class holds (fp32 master + per-element state)."""
-        return self.numel * 4 * (1 + len(self.keys))
+        """What a replicated optimizer of the same class holds (its per-element state; the fp32
+        parameters are the host's in both cases)."""
+        return self.numel * 4 * len(self.keys)
 
     # -- a new generation ----------------------------------------------------------------------------
 
