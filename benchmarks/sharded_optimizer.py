@@ -124,10 +124,12 @@ def main():
                         "megatron_two_instances": 24 * n / d / gb},
         "note": "optimizer state only (fp32 master + AdamW moments); the neighbour copy costs what Megatron's "
                 "second distributed-optimizer instance costs, and it is what the covering rank needs: the "
-                "survivors re-shard in place instead of waiting for spares",
+                "survivors re-shard in place instead of waiting for spares. mecefo_bf16_today: the host's "
+                "mixed-precision wrapper keeps its whole fp32 copy (4 bytes) beside the sharded moments (16/D "
+                "with the copy)",
     }
-    result["formula_7b_d32"]["bytes_per_parameter"]["mecefo_bf16_today"] = 4 + 24 / d
-    result["formula_7b_d32"]["gb_per_rank"]["mecefo_bf16_today"] = (4 + 24 / d) * n / gb
+    result["formula_7b_d32"]["bytes_per_parameter"]["mecefo_bf16_today"] = 4 + 16 / d
+    result["formula_7b_d32"]["gb_per_rank"]["mecefo_bf16_today"] = (4 + 16 / d) * n / gb
     result["bytes_received_per_gradient_element"] = {
         f"d{d}": {"replicated_allreduce": 2 * (d - 1) / d,
                   "sharded_allreduce_and_gather": 3 * (d - 1) / d,

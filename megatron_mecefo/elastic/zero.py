@@ -95,7 +95,9 @@ class _Held:
     """Per element while the range is being filled (a re-shard); `_bind` makes segments of them."""
     parts: List[Tuple[torch.nn.Parameter, int, int, int]] = dataclasses.field(default_factory=list)
     """(the inner optimizer's parameter: a view of one host parameter's slice, host param group,
-    flat start, flat end); one param group each."""
+    flat start, flat end)."""
+    hosts: List[int] = dataclasses.field(default_factory=list)
+    """The host param group of each of the inner optimizer's param groups."""
     inner: Optional[torch.optim.Optimizer] = None
 
     def nbytes(self) -> int:
@@ -233,11 +235,11 @@ class ShardedOptimizer:
         return None
 
     def _update(self, held: _Held) -> None:
-        for j, (m, g, lo, hi) in enumerate(held.parts):
-            group = held.inner.param_groups[j]
+        for group, g in zip(held.inner.param_groups, held.hosts):
             for k, v in self.optimizer.param_groups[g].items():
                 if k != "params":
                     group[k] = v
+        for m, g, lo, hi in held.parts:
             m.grad = self._read(lo, hi, grad=True)  # a copy: the host's gradient tensor stays its own
         held.inner.step()
         for m, g, lo, hi in held.parts:
@@ -294,18 +296,22 @@ class ShardedOptimizer:
 
     def _bind(self, held: _Held) -> None:
         """The host class's optimizer over views of the held range: one param group per (host param
-        group, segment of equal scalars, parameter), with the host group's hyperparameters."""
+        group, segment of equal scalars), with the host group's hyperparameters, over views of the
+        optimizer's own parameters (updated in place)."""
         groups = []
         for a, b in _segments(held.scalars, held.start, held.end - held.start):
             for g, (lo, hi) in enumerate(self.group_bounds):
                 lo, hi = max(a, lo), min(b, hi)
                 if lo >= hi:
                     continue
-                hyper = {k: v for k, v in self.optimizer.param_groups[g].items() if k != "params"}
-                for p, sl, at in self._spans(lo, hi):  # the optimizer's own parameter, updated in place
+                views = []
+                for p, sl, at in self._spans(lo, hi):
                     m = torch.nn.Parameter(p.detach().view(-1)[sl])
-                    groups.append({"params": [m], **hyper})
+                    views.append(m)
                     held.parts.append((m, g, lo + at, lo + at + sl.stop - sl.start))
+                hyper = {k: v for k, v in self.optimizer.param_groups[g].items() if k != "params"}
+                groups.append({"params": views, **hyper})
+                held.hosts.append(g)
         held.inner = type(self.optimizer)(groups) if groups else None
         for m, g, lo, hi in held.parts:
             st = {k: held.state[k][lo - held.start:hi - held.start] for k in self.keys}
