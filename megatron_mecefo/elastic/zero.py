@@ -367,13 +367,13 @@ class ShardedOptimizer:
             plan = _whole_plan(new, held_by)
         else:
             plan = reshard(old, new, held_by)
+        if old is not None:  # first, so that a give-up checkpoint's module is the same on every survivor
+            self._sync_parameters(group, old, held_by, replicas)
         if plan.lost and self.on_loss != "reinit":
             lost = ", ".join(f"[{a}, {b})" for a, b in plan.lost)
             raise ShardLost(f"the sharded optimizer state lost elements {lost} of {self.numel}: their owner and the "
                             "holder of their copy failed together (or shard_redundancy is \"none\"); the job ends with "
                             "the last checkpoint (on_shard_loss: \"reinit\" rebuilds such ranges instead)")
-        if old is not None:
-            self._sync_parameters(group, old, held_by, replicas)
         fresh = {into: self._new_held(a, b) for into, (a, b) in new.held(mine).items()}
         width = len(self.keys) + len(self.fresh_scalars)
         work = []
