@@ -91,11 +91,14 @@ def test_a_sharded_checkpoint_resumes_at_another_replica_count(tmp_path, replica
 
 
 def test_a_shard_without_copy_ends_the_job_with_a_checkpoint_that_says_what_it_lacks(tmp_path):
+    """shard_redundancy "none": rank 1 is killed after step 3's commit (the others' parameter gather
+    fails), its shard has no copy, and the job gives up with the checkpoint after that step (the
+    survivors first re-send the parameters they hold); `--load` then refuses it."""
     ckpt = tmp_path / "ckpt"
-    proc = run(tmp_path, 3, 1, *EXACT, "--mecefo-shard-redundancy", "none", "--mecefo-inject", "kill:1:3",
+    proc = run(tmp_path, 3, 1, *EXACT, "--mecefo-shard-redundancy", "none", "--mecefo-inject", "kill:1:3:optimizer",
                "--save", str(ckpt), expect=3)
     assert "the sharded optimizer state lost elements" in proc.stdout + proc.stderr
-    assert (ckpt / "global_step3").is_dir() and len(list((ckpt / "global_step3").glob("mecefo_optim_*.pt"))) == 2
+    assert (ckpt / "global_step4").is_dir() and len(list((ckpt / "global_step4").glob("mecefo_optim_*.pt"))) == 2
     resumed = run(tmp_path, 2, 1, *EXACT, "--load", str(ckpt), expect=2)
     assert "this checkpoint cannot resume the optimizer" in resumed.stdout + resumed.stderr
 
