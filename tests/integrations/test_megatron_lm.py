@@ -52,14 +52,15 @@ def test_kill_is_absorbed_exactly_with_approximations_off(mlm_checkout, tmp_path
 
 
 @pytest.mark.fault
-def test_distributed_optimizer_is_sharded_through_a_kill_and_a_rejoin(mlm_checkout, tmp_path):
+def test_distributed_optimizer_is_sharded_through_a_kill_a_rejoin_and_a_hang(mlm_checkout, tmp_path):
     """`--use-distributed-optimizer` with 3 replicas: the optimizer state is sharded over them, each
     shard also on its covering neighbour. Rank 1 is SIGKILLed after step 4's commit (the others'
     parameter gather fails; its shard's update lives on in rank 2's copy) and restarted: it rejoins
     after step 8 and receives its shard and copy in the re-shard. With the approximations off the
     losses are the replicated fault-free run's and the replicas stay bit-identical. The checkpoint
     of iteration 10 holds the shards beside upstream's files; `--load` resumes it on 2 replicas
-    with the fault-free run's losses, and refuses it (exit 2) without the flag."""
+    with the fault-free run's losses, and refuses it (exit 2) without the flag. A rank hung in the
+    gradient reduction (the reduce-scatter) of step 4 is covered with the same losses."""
     free = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT))
     assert free.returncode == 0, free.stdout[-4000:]
     ckpt, log_dir = tmp_path / "ckpt", tmp_path / "log"
@@ -92,6 +93,14 @@ def test_distributed_optimizer_is_sharded_through_a_kill_and_a_rejoin(mlm_checko
                                 timeout=120)
     assert refused.returncode == 2, refused.stdout[-3000:]
     assert "holds a sharded optimizer state" in refused.stdout and "iteration       11/" not in refused.stdout
+    hung = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + [
+        "--use-distributed-optimizer", "--mecefo-inject", "hang:1:4:allreduce", "--mecefo-collective-timeout-s", "5",
+        "--mecefo-agree-timeout-s", "20"]))
+    assert hung.returncode == 0, hung.stdout[-4000:]
+    assert "generation 1: members [0, 2], cover {1: 2}" in hung.stdout and "rank 1 is stopped (hung)" in hung.stdout
+    got = mds.losses(hung.stdout)
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
 
 
 @pytest.mark.fault
