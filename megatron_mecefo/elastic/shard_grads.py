@@ -45,7 +45,7 @@ def reduce_scatter_with_divisors(sharded, group, stats: Sequence[float], *, scal
     Raises:
         whatever the collectives raise (a peer failed); the gradients are then unchanged.
     """
-    layout, mine, replicas = sharded.layout, sharded.replica, sharded._group_replicas
+    layout, mine, replicas = sharded.layout, sharded.replica, sharded.group_replicas
     width = max(b - a for a, b in (layout.shard(r) for r in layout.live))
     n_stats = len(stats)
     device = _device(sharded.sources)

@@ -173,6 +173,11 @@ class ShardedOptimizer:
 
     # -- the gradients of a sharded step (shard_grads.py reduce-scatters them) ----------------------
 
+    @property
+    def group_replicas(self) -> List[int]:
+        """The replica of each member of the installed generation's group, in the group's order."""
+        return list(self._group_replicas)
+
     def reduces(self, params: Sequence[torch.Tensor]) -> bool:
         """Whether the gradients of `params` (what the runtime reduces) are exactly the sources':
         then they are reduce-scattered, else all-reduced."""
