@@ -127,9 +127,6 @@ class ShardedOptimizer:
         for group in optimizer.param_groups:
             lo = n
             for p in group["params"]:
-                if p.dtype != torch.float32:
-                    raise ValueError(f"the sharded optimizer needs fp32 optimizer parameters (an fp32 model, or a "
-                                     f"mixed-precision wrapper's fp32 copies); found {p.dtype}")
                 self.params.append(p)
                 self.offsets.append(n)
                 n += p.numel()
@@ -141,7 +138,12 @@ class ShardedOptimizer:
         self.grad_sq: Optional[Dict[int, float]] = None
         """id(source or optimizer parameter) -> the squared norm of its reduced gradient in the last
         reduce-scatter (shard_grads.py); None after an all-reduce."""
-        self.keys, self.fresh_scalars = _probe(optimizer)
+        self.masters = any(p.dtype != torch.float32 for p in self.params)
+        """The optimizer's parameters are of lower precision (a bf16 model with no fp32 copies): the
+        held ranges keep fp32 masters, per-element state like the moments ("master")."""
+        self.opt_keys, self.fresh_scalars = _probe(optimizer)
+        self.keys = self.opt_keys + (["master"] if self.masters else [])
+        """The per-element state of a held range: the optimizer's, and the master."""
         self.layout: Optional[ShardLayout] = None
         """The layout this rank's state is in (None: the whole state, before the first generation)."""
         self.replica: Optional[int] = None
@@ -250,10 +252,12 @@ class ShardedOptimizer:
         for m, g, lo, hi in held.parts:
             m.grad = None
             st = held.inner.state[m]
-            for k in self.keys:  # the optimizer must update the views in place (torch's do)
+            for k in self.opt_keys:  # the optimizer must update the views in place (torch's do)
                 if st[k].data_ptr() != held.state[k][lo - held.start:].data_ptr():
                     raise RuntimeError(f"{type(self.optimizer).__name__} replaced its state {k!r} instead of updating "
                                        "it in place: it cannot be sharded")
+        if self.masters:  # the parameters follow their fp32 masters
+            self._write(held.start, held.state["master"])
 
     def _gather(self) -> None:
         live = self.layout.live
@@ -261,7 +265,7 @@ class ShardedOptimizer:
         width = max(b - a for a, b in sizes)
         mine = self.held["shard"]
         inp = torch.zeros(width, dtype=torch.float32)
-        inp[:mine.end - mine.start] = self._read(mine.start, mine.end)
+        inp[:mine.end - mine.start] = mine.state["master"] if self.masters else self._read(mine.start, mine.end)
         outs = [torch.empty(width, dtype=torch.float32) for _ in self._group_replicas]
         self.group.allgather([outs], [inp]).wait()
         for replica, out in zip(self._group_replicas, outs):
@@ -296,8 +300,10 @@ class ShardedOptimizer:
 
     def _new_held(self, start: int, end: int) -> _Held:
         n = end - start
-        return _Held(start, end, {k: torch.zeros(n) for k in self.keys},
-                     {k: torch.full((n,), float(v)) for k, v in self.fresh_scalars.items()})
+        state = {k: torch.zeros(n) for k in self.opt_keys}
+        if self.masters:  # from the parameters; a re-shard move brings the exact master
+            state["master"] = self._read(start, end)
+        return _Held(start, end, state, {k: torch.full((n,), float(v)) for k, v in self.fresh_scalars.items()})
 
     def _bind(self, held: _Held) -> None:
         """The host class's optimizer over views of the held range: one param group per (host param
@@ -310,7 +316,10 @@ class ShardedOptimizer:
                 if lo >= hi:
                     continue
                 views = []
-                for p, sl, at in self._spans(lo, hi):
+                if self.masters:
+                    views.append(torch.nn.Parameter(held.state["master"][lo - held.start:hi - held.start]))
+                    held.parts.append((views[-1], g, lo, hi))
+                for p, sl, at in ([] if self.masters else self._spans(lo, hi)):
                     m = torch.nn.Parameter(p.detach().view(-1)[sl])
                     views.append(m)
                     held.parts.append((m, g, lo + at, lo + at + sl.stop - sl.start))
@@ -319,7 +328,7 @@ class ShardedOptimizer:
                 held.hosts.append(g)
         held.inner = type(self.optimizer)(groups) if groups else None
         for m, g, lo, hi in held.parts:
-            st = {k: held.state[k][lo - held.start:hi - held.start] for k in self.keys}
+            st = {k: held.state[k][lo - held.start:hi - held.start] for k in self.opt_keys}
             st.update({k: torch.full_like(v, float(held.scalars[k][lo - held.start]))
                        for k, v in self.fresh_scalars.items()})
             held.inner.state[m] = st
@@ -340,8 +349,8 @@ class ShardedOptimizer:
         return sum(h.nbytes() for h in self.held.values())
 
     def replicated_nbytes(self) -> int:
-        """What a replicated optimizer of the same class holds (its per-element state; the fp32
-        parameters are the host's in both cases)."""
+        """What a replicated optimizer of the same class holds: its per-element state, and an fp32
+        master where the parameters are of lower precision (fp32 parameters are their own)."""
         return self.numel * 4 * len(self.keys)
 
     # -- a new generation ----------------------------------------------------------------------------
@@ -463,6 +472,9 @@ class ShardedOptimizer:
             return torch.cat([self._file_slice(k, start, end) for k in self.keys])
         out = []
         for k in self.keys:
+            if k == "master":
+                out.append(self._read(start, end))
+                continue
             flat = torch.zeros(end - start)
             for p, sl, at in self._spans(start, end):
                 st = self.optimizer.state.get(p, {})

@@ -18,9 +18,9 @@ from megatron_mecefo.params import GradGroup
 pytestmark = pytest.mark.dist
 
 
-def model():
+def model(dtype=torch.float32):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3)).to(dtype)
 
 
 def optimizer(m):
@@ -33,19 +33,29 @@ def optimizer(m):
 def grads_of_step(m, step):
     g = torch.Generator().manual_seed(100 + step)
     for p in m.parameters():
-        p.grad = torch.randn(p.shape, generator=g)
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
 
 
-def reference(steps):
-    """Parameters of a replicated AdamW after each step, with the test's schedule (lr halves at 3)."""
-    m = model()
-    opt = optimizer(m)
+def reference(steps, dtype=torch.float32):
+    """Parameters of a replicated AdamW after each step, with the test's schedule (lr halves at 3);
+    a bf16 model the mixed-precision way (fp32 masters stepped, copied into the model)."""
+    m = model(dtype)
+    masters = m if dtype == torch.float32 else model()  # fp32 copies of the same initial values
+    with torch.no_grad():
+        for p, q in zip(masters.parameters(), m.parameters()):
+            p.copy_(q.float())
+    opt = optimizer(masters)
     out = []
     for s in range(steps):
         for group in opt.param_groups:
             group["lr"] = 1e-2 if s < 3 else 5e-3
         grads_of_step(m, s)
+        for p, q in zip(masters.parameters(), m.parameters()):
+            p.grad = q.grad.float()
         opt.step()
+        with torch.no_grad():
+            for p, q in zip(masters.parameters(), m.parameters()):
+                q.copy_(p)
         out.append(torch.cat([p.detach().reshape(-1).clone() for p in m.parameters()]))
     return out
 
@@ -55,13 +65,13 @@ def group_of(store, generation, peers, rank):
     return dist.ProcessGroupGloo(prefix, peers.index(rank), len(peers), timedelta(seconds=30))
 
 
-def worker(rank, port, schedule, load, save, start_step, out, on_loss="give_up"):
+def worker(rank, port, schedule, load, save, start_step, out, on_loss="give_up", dtype=torch.float32):
     """`schedule`: [(live ranks, steps)], one generation each; a rank not live in a generation is
     gone and comes back without state (a joiner). `load`/`save`: shard files to start from / to
     write at the end. Writes its parameters after every step."""
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
-    m = model()
+    m = model(dtype)
     sharded = ShardedOptimizer(optimizer(m), on_loss=on_loss)
     if load:
         sharded.load(load)
@@ -101,12 +111,12 @@ def worker(rank, port, schedule, load, save, start_step, out, on_loss="give_up")
     torch.save(record, os.path.join(out, f"rank{rank}.pt"))
 
 
-def run(out, schedule, world=4, load=None, save=None, start_step=0, on_loss="give_up"):
+def run(out, schedule, world=4, load=None, save=None, start_step=0, on_loss="give_up", dtype=torch.float32):
     out.mkdir(parents=True, exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, schedule, load, save, start_step, str(out), on_loss), nprocs=world, join=True)
+    mp.spawn(worker, args=(port, schedule, load, save, start_step, str(out), on_loss, dtype), nprocs=world, join=True)
     return {r: torch.load(out / f"rank{r}.pt") for r in range(world)}
 
 
@@ -125,6 +135,26 @@ def test_sharded_steps_equal_replicated_through_a_failure_a_rejoin_and_a_checkpo
     assert sum(rec["bytes"] for rec in records.values()) == 2 * numel * 8  # each element twice: shard + copy
     # the checkpoint of 4 replicas resumes at 3, and 2 replicas then lose their shard
     resumed = run(tmp_path / "b", [([0, 1, 2], 5)], world=3, load=ckpt, start_step=7)
+    for rank, rec in resumed.items():
+        for s in range(7, 12):
+            assert torch.equal(rec[s], ref[s]), (rank, s)
+
+
+def test_a_bf16_model_keeps_sharded_fp32_masters(tmp_path):
+    """The optimizer's parameters in bf16 (no host fp32 copies): the held ranges keep fp32 masters,
+    which travel in the re-shard and the shard files. The bf16 parameters equal a replicated
+    mixed-precision AdamW's bit for bit through a failure, a rejoin and a resume at 3 replicas."""
+    ref = reference(12, torch.bfloat16)
+    ckpt = str(tmp_path / "ckpt")
+    records = run(tmp_path / "a", [([0, 1, 2, 3], 2), ([0, 2, 3], 2), ([0, 1, 2, 3], 3)], save=ckpt,
+                  dtype=torch.bfloat16)
+    for rank, rec in records.items():
+        for s in (s for s in rec if isinstance(s, int)):
+            assert torch.equal(rec[s], ref[s]), (rank, s, (rec[s].float() - ref[s].float()).abs().max())
+    numel = ref[0].numel()
+    assert records[0]["replicated_bytes"] == numel * 12  # fp32 master, exp_avg, exp_avg_sq
+    assert sum(rec["bytes"] for rec in records.values()) == 2 * numel * 12  # each element twice: shard + copy
+    resumed = run(tmp_path / "b", [([0, 1, 2], 5)], world=3, load=ckpt, start_step=7, dtype=torch.bfloat16)
     for rank, rec in resumed.items():
         for s in range(7, 12):
             assert torch.equal(rec[s], ref[s]), (rank, s)
@@ -187,7 +217,7 @@ def rs_worker(rank, port, world, neighbour, out):
     def local():
         g = torch.Generator().manual_seed(7 + rank)
         for p in m.parameters():
-            p.grad = torch.randn(p.shape, generator=g)
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
 
     local()
     stats = reduce_with_divisors(group, list(m.parameters()), [1.0 + rank, 2.0], divisor=6, divisor_mha=4)
