@@ -188,8 +188,9 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
     return setup_model_and_optimizer
 
 
-def sharded_checkpoint(args) -> Optional[str]:
-    """The directory of the checkpoint `--load` reads when it holds MeCeFO's optimizer shard files, else None."""
+def _loaded_checkpoint(args) -> Optional[str]:
+    """The directory of the checkpoint `--load` reads with its optimizer state (`--ckpt-step`, else
+    the tracker's iteration); None when no optimizer state is loaded or there is no checkpoint."""
     from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata
 
     if not args.load or args.no_load_optim or args.finetune:
@@ -202,31 +203,32 @@ def sharded_checkpoint(args) -> Optional[str]:
         iteration, release = read_metadata(tracker)
         if release:
             return None
-    directory = get_checkpoint_name(args.load, iteration, return_base_dir=True)
-    return directory if glob.glob(os.path.join(directory, "mecefo_optim_*.pt")) else None
+    return get_checkpoint_name(args.load, iteration, return_base_dir=True)
+
+
+def sharded_checkpoint(args) -> Optional[str]:
+    """The directory of the checkpoint `--load` reads when it holds MeCeFO's optimizer shard files, else None."""
+    directory = _loaded_checkpoint(args)
+    return directory if directory and glob.glob(os.path.join(directory, "mecefo_optim_*.pt")) else None
 
 
 def check_loaded_optimizer(args, sharded: bool) -> None:
     """Refuse, before the model is built, a `--load` whose optimizer state this job cannot read."""
-    directory = sharded_checkpoint(args)
-    if directory is not None and not sharded:
-        raise UsageError(f"{directory} holds a sharded optimizer state (MeCeFO's shard files, written with "
-                         "--use-distributed-optimizer): resume with --use-distributed-optimizer, or pass "
-                         "--no-load-optim to restart the optimizer state")
-    if directory is None and args.load and not args.no_load_optim and not args.finetune and _distributed_optimizer_checkpoint(args):
+    directory = _loaded_checkpoint(args)
+    if directory is None:
+        return
+    if glob.glob(os.path.join(directory, "mecefo_optim_*.pt")):
+        if not sharded:
+            raise UsageError(f"{directory} holds a sharded optimizer state (MeCeFO's shard files, written with "
+                             "--use-distributed-optimizer): resume with --use-distributed-optimizer, or pass "
+                             "--no-load-optim to restart the optimizer state")
+    elif _distributed_optimizer_checkpoint(directory):
         raise UsageError(f"the checkpoint in {args.load} was written by Megatron's DistributedOptimizer, whose "
                          "state MeCeFO cannot read (it keeps the optimizer state in its own shards): pass "
                          "--no-load-optim to load the model and restart the optimizer state")
 
 
-def _distributed_optimizer_checkpoint(args) -> bool:
-    from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata
-
-    tracker = get_checkpoint_tracker_filename(args.load)
-    if not os.path.isfile(tracker):
-        return False
-    iteration, release = read_metadata(tracker)
-    directory = get_checkpoint_name(args.load, iteration, release, return_base_dir=True)
+def _distributed_optimizer_checkpoint(directory: str) -> bool:
     if glob.glob(os.path.join(directory, "**", "distrib_optim.pt"), recursive=True):  # the legacy format
         return True
     try:
