@@ -108,7 +108,8 @@ class ShardedOptimizer:
     """ZeRO-1 for `optimizer` (see the module docstring). Replaces `optimizer.step`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, neighbour_copy: bool = True, tag: str = "t0p0",
-                 on_loss: str = "give_up", on_parameters: Optional[Callable[[], None]] = None) -> None:
+                 on_loss: str = "give_up", on_parameters: Optional[Callable[[], None]] = None,
+                 grad_attr: str = "grad") -> None:
         if on_loss not in ("give_up", "reinit"):
             raise ValueError(f"on_loss must be give_up or reinit, got {on_loss!r}")
         self.optimizer = optimizer
@@ -118,6 +119,9 @@ class ShardedOptimizer:
         """The (tp, pp) position whose state this is (in the shard files' names)."""
         self.neighbour_copy = neighbour_copy
         self.on_parameters = on_parameters
+        self.grad_attr = grad_attr
+        """Where the optimizer parameters' gradients are (Megatron keeps a bf16 parameter's fp32
+        gradient in `main_grad`, which `.grad` of another dtype cannot hold)."""
         """Runs after a re-shard re-sent the parameters (a host keeping lower-precision copies of the
         optimizer's fp32 parameters refreshes them: Megatron's main-to-model copy)."""
         self.params: List[torch.Tensor] = []
@@ -158,7 +162,7 @@ class ShardedOptimizer:
     @classmethod
     def for_job(cls, optimizer, cfg, job, *, tensor_parallel: int, pipeline_parallel: int,
                 on_parameters: Optional[Callable[[], None]] = None,
-                sources: Optional[Dict[int, torch.Tensor]] = None) -> "ShardedOptimizer":
+                sources: Optional[Dict[int, torch.Tensor]] = None, grad_attr: str = "grad") -> "ShardedOptimizer":
         """The sharded state of the torch optimizer inside a host's `optimizer` (DeepSpeed's engine,
         Megatron's wrappers) for this rank's (tp, pp) position of `job` (a LaunchEnv), as the
         MeCeFOConfig `cfg` asks (shard_redundancy, on_shard_loss). `sources`: id(optimizer
@@ -168,7 +172,7 @@ class ShardedOptimizer:
         tp, pp = Grid(tp=tensor_parallel, pp=pipeline_parallel,
                       dp=job.world // (tensor_parallel * pipeline_parallel)).position(job.rank)
         out = cls(innermost_optimizer(optimizer), tag=f"t{tp}p{pp}", neighbour_copy=cfg.shard_redundancy == "neighbour",
-                  on_loss=cfg.on_shard_loss, on_parameters=on_parameters)
+                  on_loss=cfg.on_shard_loss, on_parameters=on_parameters, grad_attr=grad_attr)
         if sources:
             out.sources = [sources.get(id(p), p) for p in out.params]
         return out
@@ -286,7 +290,7 @@ class ShardedOptimizer:
     def _read(self, start: int, end: int, grad: bool = False) -> torch.Tensor:
         out = torch.zeros(end - start, dtype=torch.float32)
         for p, sl, at in self._spans(start, end):
-            src = p.grad if grad else p.detach()
+            src = getattr(p, self.grad_attr, None) if grad else p.detach()
             if src is not None:
                 out[at:at + sl.stop - sl.start] = src.reshape(-1)[sl]
         return out

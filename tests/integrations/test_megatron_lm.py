@@ -104,6 +104,55 @@ def test_distributed_optimizer_is_sharded_through_a_kill_a_rejoin_and_a_hang(mlm
 
 
 @pytest.mark.fault
+def test_bf16_distributed_optimizer_keeps_the_fp32_masters_only_in_the_shards(mlm_checkout, tmp_path):
+    """`--bf16 --use-distributed-optimizer` with 3 replicas: upstream's optimizer holds no fp32 copies
+    (the masters live in the held ranges: 2/3 of the replicated 12 bytes per parameter on each
+    rank). Its losses are the replicated mixed-precision run's: bit for bit while the clip
+    coefficient is the same, then within the bf16 rounding of a last-bit difference in the
+    gradient norm (summed per shard). A kill after step 4's commit and a rejoin after step 8 give
+    the sharded fault-free losses; the checkpoint's shard files carry the masters, and `--load`
+    on 2 replicas continues with them."""
+    bf16 = EXACT + ["--bf16"]
+    replicated = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=bf16))
+    assert replicated.returncode == 0, replicated.stdout[-4000:]
+    free = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=bf16 + ["--use-distributed-optimizer"]))
+    assert free.returncode == 0, free.stdout[-4000:]
+    line = re.search(r"sharded over 3 replicas \(shard_redundancy=neighbour\): ([0-9.]+) MiB on this rank, "
+                     r"replicated ([0-9.]+) MiB", free.stdout)
+    assert line, free.stdout[-4000:]
+    assert float(line.group(1)) == pytest.approx(float(line.group(2)) * 2 / 3, rel=0.02)
+    want, got = mds.losses(replicated.stdout), mds.losses(free.stdout)
+    assert sorted(got) == sorted(want) == list(range(1, 13))
+    assert [got[it] for it in (1, 2, 3)] == [want[it] for it in (1, 2, 3)]
+    for it in want:  # not clipping, or skipping the clip, moves the loss by > 1e-4 from iteration 4 on
+        assert got[it] == pytest.approx(want[it], rel=1e-5 if it <= 8 else 5e-5), it
+    ckpt, log_dir = tmp_path / "ckpt", tmp_path / "log"
+    killed = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=bf16 + [
+        "--use-distributed-optimizer", "--mecefo-log-dir", str(log_dir), "--mecefo-inject", "kill:1:4:optimizer",
+        "--mecefo-inject", "hold:1:8", "--save", str(ckpt), "--save-interval", "10"]), restart_after=1, timeout=300)
+    assert killed.returncode == 0, killed.stdout[-6000:]
+    assert "generation 1: members [0, 2], cover {1: 2}" in killed.stdout
+    events = [json.loads(line) for line in (log_dir / "events_rank1.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "rejoined"] == [9]
+    sharded_free, after_kill = got, mds.losses(killed.stdout)
+    for it in sharded_free:
+        assert after_kill[it] == pytest.approx(sharded_free[it], rel=1e-5, abs=1e-6), it
+    mds.check_whole_and_identical(log_dir, dp=3, k=2, iters=12)
+    import torch
+
+    files = sorted((ckpt / "iter_0000010").glob("mecefo_optim_*.pt"))
+    assert len(files) == 3, files
+    for f in files:
+        held = torch.load(f, weights_only=True)
+        assert held["keys"] == ["exp_avg", "exp_avg_sq", "master"] and held["state"]["master"].dtype == torch.float32
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("10")
+    resumed = mlm.mecefo_launch(mlm_checkout, 2, mlm.args(dp=2, micro_batches=3, iters=12, extra=bf16 + [
+        "--use-distributed-optimizer", "--load", str(ckpt)]))
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert mds.losses(resumed.stdout)[11] == pytest.approx(sharded_free[11], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.fault
 def test_torchrun_survives_a_killed_rank_which_rejoins(mlm_checkout, tmp_path):
     """The user's own `torchrun --nproc-per-node 3 pretrain_gpt.py ... --mecefo
     --mecefo-restart-failed-after 1`: rank 1's training process is SIGKILLed at step 4 (under a

@@ -34,6 +34,7 @@ reduces the DDP gradient buffers (`main_grad`) itself. The consequences, handled
 from __future__ import annotations
 
 import contextlib
+import copy
 import glob
 import os
 from typing import Callable, Optional
@@ -146,7 +147,8 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         # the runtime shards over the replicas; upstream's optimizer stays plain (its data-parallel group is 1)
         STATE.sharded, args.use_distributed_optimizer = bool(args.use_distributed_optimizer), False
         check_loaded_optimizer(args, STATE.sharded)
-        model, optimizer, scheduler = original(model_provider_func, model_type, *a, **kw)  # loads --load
+        with _no_fp32_copies(STATE.sharded and args.bf16):
+            model, optimizer, scheduler = original(model_provider_func, model_type, *a, **kw)  # loads --load
         if not any(isinstance(m, Coverable) for chunk in model for m in chunk.modules()):
             raise UsageError(f"the model has no MeCeFO layers: build it with --spec {' '.join(SPEC)}")
         if cfg.lowrank_ffn:
@@ -186,6 +188,31 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         return model, optimizer, scheduler
 
     return setup_model_and_optimizer
+
+
+@contextlib.contextmanager
+def _no_fp32_copies(active: bool):
+    """`--bf16` with the sharded state: upstream builds its FP32Optimizer over the bf16 parameters
+    (as its layer-wise optimizer does, optimizer/muon.py) instead of a mixed-precision wrapper with
+    fp32 copies of every parameter on every rank; the sharded state keeps the fp32 masters of its
+    held ranges only (elastic/zero.py; step.py's `_bf16_parameters`)."""
+    import megatron.training.training as training
+
+    build = training.get_megatron_optimizer
+    if not active:
+        yield
+        return
+
+    def get_megatron_optimizer(config, *a, **kw):
+        config = copy.copy(config)
+        config.bf16 = False
+        return build(config, *a, **kw)
+
+    training.get_megatron_optimizer = get_megatron_optimizer
+    try:
+        yield
+    finally:
+        training.get_megatron_optimizer = build
 
 
 def _loaded_checkpoint(args) -> Optional[str]:
