@@ -245,15 +245,22 @@ def test_give_up_writes_upstream_checkpoint_and_load_resumes(mlm_checkout, tmp_p
 def test_refused_setups_end_before_training(mlm_checkout, tmp_path):
     """What MeCeFO cannot run ends with exit 2 and a message naming the flag, before training; so
     does `--load` of a checkpoint upstream's DistributedOptimizer wrote (its state is laid out
-    over the data-parallel ranks of that run)."""
+    over the data-parallel ranks of that run), and of a mixed-precision checkpoint's fp32 masters
+    into a sharded --bf16 job (they would be read as the optimizer's own state)."""
     distributed = mlm.torchrun(mlm_checkout, 1, mlm.args(dp=1, iters=3, extra=[
         "--use-distributed-optimizer", "--save", str(tmp_path / "ckpt"), "--save-interval", "3"]),
         script="pretrain_gpt_upstream.py")
     assert distributed.returncode == 0, distributed.stdout[-3000:]
+    mixed = mlm.torchrun(mlm_checkout, 1, mlm.args(dp=1, iters=3, extra=[
+        "--bf16", "--save", str(tmp_path / "bf16"), "--save-interval", "3"]), script="pretrain_gpt_upstream.py")
+    assert mixed.returncode == 0, mixed.stdout[-3000:]
     base = mlm.args(dp=1, extra=["--mecefo"])
     cases = {
         "--load": ("the checkpoint in " + str(tmp_path / "ckpt") + " was written by Megatron's DistributedOptimizer",
                    base + ["--mecefo-rank", "16", "--use-distributed-optimizer", "--load", str(tmp_path / "ckpt")]),
+        "--bf16 --load": ("the checkpoint in " + str(tmp_path / "bf16") + " keeps its fp32 master parameters in "
+                          "Megatron's mixed-precision optimizer", base + [
+            "--mecefo-rank", "16", "--bf16", "--use-distributed-optimizer", "--load", str(tmp_path / "bf16")]),
         "--overlap-grad-reduce": ("--mecefo does not support --overlap-grad-reduce", base + [
             "--overlap-grad-reduce"]),
         "transformer_engine": ("--mecefo needs --transformer-impl local (got transformer_engine)",

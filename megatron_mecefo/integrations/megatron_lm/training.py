@@ -253,6 +253,12 @@ def check_loaded_optimizer(args, sharded: bool) -> None:
         raise UsageError(f"the checkpoint in {args.load} was written by Megatron's DistributedOptimizer, whose "
                          "state MeCeFO cannot read (it keeps the optimizer state in its own shards): pass "
                          "--no-load-optim to load the model and restart the optimizer state")
+    elif sharded and args.bf16:
+        raise UsageError(f"the checkpoint in {args.load} keeps its fp32 master parameters in Megatron's mixed-precision "
+                         "optimizer (a --bf16 run without --use-distributed-optimizer); with --bf16 "
+                         "--use-distributed-optimizer they live in MeCeFO's shard files, and this checkpoint has none: "
+                         "resume it without --use-distributed-optimizer, or pass --no-load-optim to load the model "
+                         "and restart the optimizer state")
 
 
 def _distributed_optimizer_checkpoint(directory: str) -> bool:
