@@ -167,3 +167,36 @@ def test_a_shard_owner_hung_after_the_commit(tmp_path, replicated):
     assert [e["step"] for e in events_of(logs, "gather_failed")] == [3]
     assert_fault_free_losses(out, replicated)
     assert valid_loss(out) == pytest.approx(replicated[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["reinit", "give_up"])
+def test_two_adjacent_owners_killed_in_one_step(tmp_path, policy):
+    """4 replicas with the neighbour copy: ranks 1 and 2 are SIGKILLed in the backward of step 3.
+    Rank 2 held the copy of rank 1's shard, so that range has no holder left (rank 2's own shard
+    lives on in rank 3's copy). "reinit" rebuilds that range and only it, and the two survivors
+    finish every whole batch with bit-identical parameters; "give_up" ends the job (exit 3) with a
+    checkpoint of the last committed step, whose shard files lack the range: `--load` refuses it
+    and resumes the periodic checkpoint before it."""
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+    out = run(tmp_path, 4, 1, *EXACT, "--global-batch-size", "16", "--mecefo-on-shard-loss", policy,
+              "--mecefo-inject", "kill:1:3",
+              "--mecefo-inject", "kill:2:3", "--mecefo-log-dir", str(logs), "--mecefo-log-param-hash",
+              "--save", str(ckpt), "--save-interval", "2", expect=0 if policy == "reinit" else 3)
+    assert "optimizer state sharded over 4 replicas (shard_redundancy=neighbour)" in out.stdout
+    if policy == "reinit":
+        (reinit,) = events_of(logs, "shard_reinit")
+        assert reinit["step"] == 3 and reinit["of"] // 5 < reinit["elements"] < reinit["of"] // 3  # one shard of 4
+        steps = steps_of(logs, 0)
+        assert [s["step"] for s in steps] == list(range(8)) and all(s["samples"] == 16 for s in steps)
+        assert [s["param_sha256"] for s in steps_of(logs, 3)] == [s["param_sha256"] for s in steps]
+    else:
+        assert "the sharded optimizer state lost elements" in out.stdout + out.stderr
+        assert not events_of(logs, "shard_reinit")
+        # the give-up checkpoint (after the last committed step) lacks the range: --load refuses it,
+        # and the periodic one before it resumes
+        assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["global_step2", "global_step3"]
+        refused = run(tmp_path, 2, 1, *EXACT, "--global-batch-size", "16", "--load", str(ckpt), expect=2)
+        assert "this checkpoint cannot resume the optimizer" in refused.stdout + refused.stderr
+        (ckpt / "latest").write_text("global_step2")
+        resumed = run(tmp_path, 2, 1, *EXACT, "--global-batch-size", "16", "--load", str(ckpt), expect=0)
+        assert "starting at iteration 2" in resumed.stdout

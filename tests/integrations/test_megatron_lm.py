@@ -121,6 +121,9 @@ def test_bf16_distributed_optimizer_keeps_the_fp32_masters_only_in_the_shards(ml
                      r"replicated ([0-9.]+) MiB", free.stdout)
     assert line, free.stdout[-4000:]
     assert float(line.group(1)) == pytest.approx(float(line.group(2)) * 2 / 3, rel=0.02)
+    params = int(re.search(r"number of parameters on \(tensor, pipeline\) model parallel rank \(0, 0\): (\d+)",
+                           free.stdout).group(1))
+    assert float(line.group(2)) == pytest.approx(params * 12 / 2**20, abs=0.01)  # masters in the state: 4 + 8 bytes
     want, got = mds.losses(replicated.stdout), mds.losses(free.stdout)
     assert sorted(got) == sorted(want) == list(range(1, 13))
     assert [got[it] for it in (1, 2, 3)] == [want[it] for it in (1, 2, 3)]
