@@ -52,10 +52,11 @@ def test_kill_is_absorbed_exactly_with_approximations_off(mds_checkout, tmp_path
 def test_sharded_optimizer_state_through_a_kill_after_the_commit(mds_checkout, tmp_path):
     """ds_config "zero_optimization.stage": 1 with 3 replicas: the optimizer state is sharded over
     them, each shard also on its covering neighbour. Rank 1 is SIGKILLed after step 4's commit
-    (the others' parameter gather fails; its shard's update lives on in rank 2's copy). With the
+    (the others' parameter gather fails; its shard's update lives on in rank 2's copy), restarted,
+    and rejoins after step 8 (it receives its shard and copy in the re-shard). With the
     approximations off the losses are the replicated fault-free run's and the replicas stay
-    bit-identical; the checkpoint of iteration 10 holds the survivors' shards beside upstream's
-    files, and `--load` resumes it on 2 replicas with the fault-free run's losses."""
+    bit-identical; the checkpoint of iteration 10 holds the shards beside upstream's files, and
+    `--load` resumes it on 2 replicas with the fault-free run's losses."""
     root, data = mds_checkout
     exact = ["--attention-dropout", "0", "--hidden-dropout", "0", "--mecefo", "--no-mecefo-skip-attention",
              "--no-mecefo-lowrank-ffn", "--mecefo-recompute-ffn", "never", "--mecefo-log-param-hash"]
@@ -63,17 +64,19 @@ def test_sharded_optimizer_state_through_a_kill_after_the_commit(mds_checkout, t
     assert free.returncode == 0, free.stdout[-4000:]
     ckpt = tmp_path / "ckpt"
     sharded = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds1.json", dp=3, iters=12, zero_stage=1, extra=exact + [
-        "--mecefo-log-dir", str(tmp_path / "logs"), "--mecefo-inject", "kill:1:4:optimizer", "--save", str(ckpt),
-        "--save-interval", "10"]))
+        "--mecefo-log-dir", str(tmp_path / "logs"), "--mecefo-inject", "kill:1:4:optimizer", "--mecefo-inject",
+        "hold:1:8", "--save", str(ckpt), "--save-interval", "10"]), restart_after=1, timeout=300)
     assert sharded.returncode == 0, sharded.stdout[-4000:]
     assert "generation 1: members [0, 2], cover {1: 2}" in sharded.stdout
+    events = [json.loads(line) for line in (tmp_path / "logs" / "events_rank1.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "rejoined"] == [9]
     want, got = mds.losses(free.stdout), mds.losses(sharded.stdout)
     assert sorted(got) == sorted(want) == list(range(1, 13))
     for it in want:
         assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
     mds.check_whole_and_identical(tmp_path / "logs", dp=3, k=2, iters=12)
     files = sorted(p.name for p in (ckpt / "global_step10").glob("mecefo_optim_*.pt"))
-    assert len(files) == 2, files  # two shards over the two survivors, each written by its owner and copy holder
+    assert len(files) == 3, files  # three shards again after the rejoin, each written by its owner and copy holder
     (ckpt / "latest").write_text("global_step10")  # resume from iteration 10 (the run also saved its end)
     resumed = mds.mecefo_launch(root, 2, mds.args(data, tmp_path / "ds2.json", dp=2, micro_batches=3, iters=12,
                                                   zero_stage=1, extra=exact + ["--load", str(ckpt)]))
