@@ -311,7 +311,8 @@ def main(argv=None):
             z = engine.sharded
             print(f" mecefo: optimizer state sharded over {len(z.layout.live)} replicas (shard_redundancy="
                   f"{mecefo.shard_redundancy}): {z.nbytes() / 2**20:.2f} MiB on this rank, replicated "
-                  f"{z.replicated_nbytes() / 2**20:.2f} MiB", flush=True)
+                  f"{z.replicated_nbytes() / 2**20:.2f} MiB ({z.numel:,} parameters, "
+                  f"{'fp32 masters in the shards' if z.masters else 'fp32'})", flush=True)
     t_last, losses = time.monotonic(), []
     batch_of = lambda it, replica, index: collate(train, sample_range(  # noqa: E731
         it, replica, index, micro_batch_size=args.micro_batch_size, dp=dp, k=k))

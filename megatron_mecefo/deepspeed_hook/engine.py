@@ -50,7 +50,7 @@ from megatron_mecefo.elastic.bootstrap import init_distributed, param_digest
 from megatron_mecefo.elastic.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver, training_state
-from megatron_mecefo.elastic.zero import ShardedOptimizer
+from megatron_mecefo.elastic.zero import ShardedOptimizer, innermost_optimizer
 
 __all__ = ["initialize", "attach_runtime", "MeCeFOEngine", "init_distributed", "param_digest", "save_checkpoint",
            "load_checkpoint"]
@@ -86,6 +86,20 @@ def replica_ds_config(ds_config: Dict[str, Any], world: int) -> tuple:
     if cfg.get("zero_optimization", {}).get("stage", 0) == 1:  # the runtime shards over the replicas
         cfg["zero_optimization"] = {**cfg["zero_optimization"], "stage": 0}
     return cfg, gas, mb
+
+
+def bf16_parameters(ds_config: Dict[str, Any]) -> bool:
+    """With the sharded optimizer state and "bf16" on, DeepSpeed is told fp32 and given the model
+    in bf16 (the caller casts it, as DeepSpeed would): its optimizer then steps the bf16
+    parameters, and the fp32 masters live in the held shards only (elastic/zero.py), instead of a
+    mixed-precision wrapper keeping a whole fp32 copy on every rank. The gradients are bf16, as in
+    DeepSpeed's own bf16 mode at stage 0; the sharded update reads them in fp32 and applies the clip
+    coefficient there. Returns whether it did so (and turns "bf16" off in `ds_config`)."""
+    for key in ("bf16", "bfloat16"):
+        if ds_config.get(key, {}).get("enabled", False):
+            ds_config[key] = {**ds_config[key], "enabled": False}
+            return True
+    return False
 
 
 def zero_stage(ds_config: Dict[str, Any]) -> int:
@@ -204,7 +218,8 @@ class MeCeFOEngine(DrivenHost):
 
         z = self.sharded  # a reduce-scattered step: the tensors hold this rank's ranges only
         clip_grad_norm(self.engine.module, self.clip_grad,
-                       grad_norm_sq=z.grad_norm_sq if z is not None and z.grad_sq is not None else None)
+                       grad_norm_sq=z.grad_norm_sq if z is not None and z.grad_sq is not None else None,
+                       scale=(lambda c: setattr(z, "grad_scale", c)) if z is not None and z.masters else None)
 
     def _lr(self) -> Optional[float]:
         try:
@@ -276,6 +291,8 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
                          "--untie-embeddings-and-output-weights)")
     ds_config, k, mb = replica_ds_config(config, job.world // (tp * pp))
     sharded = cfg.enable and zero_stage(config) == 1
+    if sharded and bf16_parameters(ds_config):
+        model.bfloat16()  # what DeepSpeed's engine does with "bf16" on
     clip = engine_clipping(ds_config, model_parallel=tp * pp, sharded=sharded)
     if mpu is None:
         if parallel_state.model_parallel_is_initialized():
@@ -337,6 +354,9 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
         if extra_state:
             extra_state[1](values["extra"])
 
+    if sharded and innermost_optimizer(engine.optimizer) is not engine.optimizer:
+        raise ValueError(f"the sharded optimizer state steps a plain torch optimizer; DeepSpeed built "
+                         f"{type(engine.optimizer).__name__} (a mixed-precision wrapper: see initialize's bf16)")
     shards = ShardedOptimizer.for_job(engine.optimizer, cfg, job, tensor_parallel=tensor_parallel,
                                       pipeline_parallel=pipeline_parallel) if sharded else None
     save_shards = None
@@ -360,3 +380,4 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
     if step != engine.global_steps:
         raise RuntimeError(f"runtime step {step} != engine step {engine.global_steps}")
     return MeCeFOEngine(engine, runtime, cfg, micro_batch_size, clip_grad=clip_grad)
+

@@ -74,14 +74,17 @@ def forward_backward(model: torch.nn.Module, forward_step_func: Callable, batche
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float,
-                   grad_norm_sq: Optional[Callable[[torch.nn.Parameter], Optional[float]]] = None) -> float:
+                   grad_norm_sq: Optional[Callable[[torch.nn.Parameter], Optional[float]]] = None,
+                   scale: Optional[Callable[[float], None]] = None) -> float:
     """Clip the gradients of `model` (one replica's shard) to the global norm `max_norm`; returns
     the norm before clipping. Every rank of the replica must call it (a collective over its
     tensor- and pipeline-parallel ranks). Megatron-Core's clip_grads does the same on CUDA only.
 
     `grad_norm_sq`: a parameter's squared gradient norm, where the tensors do not hold the whole
     gradient (a reduce-scattered step: ShardedOptimizer.grad_norm_sq); None: from the tensors.
-    Without Megatron's model-parallel groups (a plain model) the norm is this rank's."""
+    Without Megatron's model-parallel groups (a plain model) the norm is this rank's.
+    `scale`: takes the clip coefficient instead of the gradients being multiplied in place (bf16
+    gradients that the optimizer reads in fp32: ShardedOptimizer.grad_scale)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -101,5 +104,8 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float,
     norm = float(square.sqrt())
     coeff = max_norm / (norm + 1e-6)
     if max_norm > 0 and coeff < 1.0:
-        torch._foreach_mul_([p.grad for p in params], coeff)
+        if scale is not None:
+            scale(coeff)
+        else:
+            torch._foreach_mul_([p.grad for p in params], coeff)
     return norm

@@ -139,6 +139,9 @@ class ShardedOptimizer:
         self.sources: List[torch.Tensor] = list(self.params)
         """The host parameters whose gradients the runtime reduces, one per optimizer parameter (the
         same tensors, or the model parameters of a mixed-precision wrapper's fp32 copies)."""
+        self.grad_scale = 1.0
+        """A factor the next step applies to the gradients as it reads them (in fp32): a host's clip
+        coefficient where its gradients are of lower precision (scaling them in place would round)."""
         self.grad_sq: Optional[Dict[int, float]] = None
         """id(source or optimizer parameter) -> the squared norm of its reduced gradient in the last
         reduce-scatter (shard_grads.py); None after an all-reduce."""
@@ -236,9 +239,12 @@ class ShardedOptimizer:
         if self.layout is None:
             raise RuntimeError("the sharded optimizer steps only inside a generation (after the runtime's start)")
         self.gather_error = None
-        for held in self.held.values():
-            if held.parts:
-                self._update(held)
+        try:
+            for held in self.held.values():
+                if held.parts:
+                    self._update(held)
+        finally:
+            self.grad_scale = 1.0
         try:
             self._gather()
         except Exception as e:  # a peer died after the commit: the runtime regroups and re-sends (regroup)
@@ -252,6 +258,8 @@ class ShardedOptimizer:
                     group[k] = v
         for m, g, lo, hi in held.parts:
             m.grad = self._read(lo, hi, grad=True)  # a copy: the host's gradient tensor stays its own
+            if self.grad_scale != 1.0:
+                m.grad.mul_(self.grad_scale)
         held.inner.step()
         for m, g, lo, hi in held.parts:
             m.grad = None
@@ -576,3 +584,4 @@ def _whole_plan(new: ShardLayout, held_by) -> Reshard:
     moves = tuple(Move(dst if dst in held_by else first, dst, a, b, into)
                   for dst in new.live for into, (a, b) in new.held(dst).items() if a < b)
     return Reshard(moves, ())
+

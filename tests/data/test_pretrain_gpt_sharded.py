@@ -5,6 +5,7 @@ fault-free losses; a sharded checkpoint resumes at another replica count; a shar
 ends the job with a checkpoint that says what it lacks. Real processes, SIGKILL."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -200,3 +201,38 @@ def test_two_adjacent_owners_killed_in_one_step(tmp_path, policy):
         (ckpt / "latest").write_text("global_step2")
         resumed = run(tmp_path, 2, 1, *EXACT, "--global-batch-size", "16", "--load", str(ckpt), expect=0)
         assert "starting at iteration 2" in resumed.stdout
+
+
+def test_bf16_keeps_the_fp32_masters_only_in_the_shards(tmp_path, replicated):
+    """ds_config "bf16" with stage 1: DeepSpeed steps the bf16 parameters, no whole fp32 copy on
+    any rank; the masters are in the held ranges (12 bytes per parameter replicated, 2/3 of it per
+    rank at D = 3). Its losses track the fp32 run's (fp32 masters; a bf16 forward); a kill after
+    step 3's commit and a rejoin keep the replicas bit-identical and the fault-free bf16 losses
+    within the rounding of bf16 gradient accumulation (the covering rank sums its own and the
+    adopted micro-batches in bf16, as DeepSpeed's bf16 mode accumulates)."""
+    config = tmp_path / "bf16.json"
+    config.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95], "torch_adam": True}},
+                                  "gradient_clipping": 1.0, "bf16": {"enabled": True},
+                                  "zero_optimization": {"stage": 1}}))
+    free = run(tmp_path, 3, 1, *EXACT, "--deepspeed_config", str(config)).stdout
+    line = re.search(r"sharded over 3 replicas \(shard_redundancy=neighbour\): ([0-9.]+) MiB on this rank, "
+                     r"replicated ([0-9.]+) MiB \(([0-9,]+) parameters, fp32 masters in the shards\)", free)
+    params = int(line.group(3).replace(",", ""))
+    assert float(line.group(2)) == pytest.approx(params * 12 / 2**20, abs=0.01)  # masters + moments
+    assert float(line.group(1)) == pytest.approx(float(line.group(2)) * 2 / 3, rel=0.02)
+    ref, got = replicated[0], losses(free)
+    assert got[1] != ref[1]  # the forward runs in bf16
+    assert [got[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-3)
+    logs = tmp_path / "logs"
+    killed = run(tmp_path, 3, 1, *EXACT, "--deepspeed_config", str(config), "--mecefo-inject", "kill:1:3:optimizer",
+                 "--mecefo-inject", "hold:1:5", "--mecefo-log-dir", str(logs), "--mecefo-log-param-hash",
+                 launcher=["--restart-failed-after", "0"]).stdout
+    assert "cover 1->2" in killed and "live 3/3" in killed.split("cover 1->2")[-1]
+    after = losses(killed)
+    assert [after[i] for i in range(1, 5)] == [got[i] for i in range(1, 5)]
+    assert [after[i] for i in range(5, 9)] == pytest.approx([got[i] for i in range(5, 9)], rel=5e-4)
+    by_step = {}
+    for rank in range(3):
+        for rec in steps_of(logs, rank):
+            by_step.setdefault(rec["step"], set()).add(rec["param_sha256"])
+    assert sorted(by_step) == list(range(8)) and all(len(h) == 1 for h in by_step.values())
