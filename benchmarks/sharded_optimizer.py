@@ -11,9 +11,9 @@ memory per rank, healthy step time, and recovery with a re-shard.
   detect -> regroup (agreement, group, re-shard) from the event log, beside the same kill at stage 0.
 - The per-parameter formula applied to 7B at D = 32 (AdamW, bf16 parameters, fp32 master + moments:
   12 bytes of optimizer state per parameter), beside Megatron's two distributed-optimizer instances,
-  and what this implementation holds with bf16 parameters per host: Megatron-LM shards the fp32
-  masters with the moments (24/D with the copy); DeepSpeed's bf16 wrapper keeps its whole fp32
-  copy beside the sharded moments (4 + 16/D).
+  which is what this implementation holds with bf16 parameters in every host (the fp32 masters
+  sharded with the moments), beside a mixed-precision wrapper's whole fp32 copy next to sharded
+  moments (4 + 16/D), which it avoids.
 - Bytes each rank receives per step per gradient element (formula): replicated all-reduce, sharded
   with an all-reduce, sharded with NCCL's reduce-scatter and the copy's range (shard_grads.py), each
   with the parameters' all-gather where sharded.
@@ -125,13 +125,12 @@ def main():
                         "megatron_two_instances": 24 * n / d / gb},
         "note": "optimizer state only (fp32 master + AdamW moments); the neighbour copy costs what Megatron's "
                 "second distributed-optimizer instance costs, and it is what the covering rank needs: the "
-                "survivors re-shard in place instead of waiting for spares. With bf16 parameters Megatron-LM's "
-                "--use-distributed-optimizer holds zero1_neighbour (the fp32 masters sharded with the moments); "
-                "mecefo_deepspeed_bf16: DeepSpeed's bf16 wrapper keeps its whole fp32 copy (4 bytes) beside the "
-                "sharded moments (16/D with the copy)",
+                "survivors re-shard in place instead of waiting for spares. With bf16 parameters every host "
+                "holds zero1_neighbour (the fp32 masters sharded with the moments); wrapper_copy_and_sharded_"
+                "moments: what a mixed-precision wrapper's whole fp32 copy beside sharded moments would hold",
     }
-    result["formula_7b_d32"]["bytes_per_parameter"]["mecefo_deepspeed_bf16"] = 4 + 16 / d
-    result["formula_7b_d32"]["gb_per_rank"]["mecefo_deepspeed_bf16"] = (4 + 16 / d) * n / gb
+    result["formula_7b_d32"]["bytes_per_parameter"]["wrapper_copy_and_sharded_moments"] = 4 + 16 / d
+    result["formula_7b_d32"]["gb_per_rank"]["wrapper_copy_and_sharded_moments"] = (4 + 16 / d) * n / gb
     result["bytes_received_per_gradient_element"] = {
         f"d{d}": {"replicated_allreduce": 2 * (d - 1) / d,
                   "sharded_allreduce_and_gather": 3 * (d - 1) / d,

@@ -30,7 +30,8 @@ backward run through Megatron-Core's schedules (`train_step`, 1F1B with P > 1), 
 clipped over the replica's model-parallel ranks (schedule.clip_grad_norm), and a failed collective
 inside the replica raises ReplicaLost: the whole replica leaves and rejoins once restarted.
 
-Scope: ZeRO-0 and 1, fp32 on gloo (tested; bf16 is not exercised by CI). On CUDA the
+Scope: ZeRO-0 and 1, fp32 on gloo (tested), bf16 with stage 1 (tested on CPU; stage 1 runs without
+DeepSpeed's bf16 wrapper: `bf16_parameters`). On CUDA the
 runtime's groups use NCCL with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 and communicator abort, following
 PyTorch's documented APIs; that path is untested here (no GPU in CI).
 """
