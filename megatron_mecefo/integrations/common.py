@@ -84,7 +84,6 @@ def shared_refusals(args) -> list:
     """What MeCeFO refuses in both Megatron codebases, by their common flags."""
     return [
         (args.virtual_pipeline_model_parallel_size is not None, "--mecefo does not support a virtual pipeline"),
-        (args.pipeline_model_parallel_size != 1, "--mecefo supports --pipeline-model-parallel-size 1 only"),
         (args.dataloader_type != "single",
          f"--mecefo needs --dataloader-type single (got {args.dataloader_type}): a failed rank's micro-batches are "
          "drawn from the sampler's order"),
@@ -94,12 +93,13 @@ def shared_refusals(args) -> list:
     ]
 
 
-def init_replica(state: State, cfg, *, backend: str, tensor_parallel: int, data_parallel: int) -> None:
-    """torch.distributed over this rank's replica (its tensor-parallel ranks) on the job's store,
-    before upstream's own init, which then builds its groups over the replica."""
+def init_replica(state: State, cfg, *, backend: str, tensor_parallel: int, data_parallel: int,
+                 pipeline_parallel: int = 1) -> None:
+    """torch.distributed over this rank's replica (its tensor- and pipeline-parallel ranks) on the
+    job's store, before upstream's own init, which then builds its groups over the replica."""
     from megatron_mecefo.elastic.bootstrap import init_distributed
 
-    state.job = init_distributed(backend, tensor_parallel, 1, timeout_s=cfg.collective_timeout_s,
+    state.job = init_distributed(backend, tensor_parallel, pipeline_parallel, timeout_s=cfg.collective_timeout_s,
                                  join_timeout_s=cfg.join_timeout_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                                  log_dir=cfg.log_dir, restart_failed_after=cfg.restart_failed_after,
                                  max_restarts=cfg.max_restarts, store=cfg.store)

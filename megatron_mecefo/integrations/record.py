@@ -6,7 +6,7 @@ computes the job's loss). Every replica captures what a call prints and writes t
 writer (each replica's logging rank has one, see `make_tb_writer`); the lead (the lowest live replica) emits it at once and records in the job's store
 the last entry it emitted; the others keep their last entries. A replica that becomes the lead
 (the old one died after a step was committed and before it printed) first emits what it holds
-beyond the store's mark, and so does, when training ends, the lowest replica still alive if the
+beyond the store's mark (one per position in the replica: each prints its own lines), and so does, when training ends, the lowest replica still alive if the
 lead died at the end. Entries are keyed by (committed iteration, call number within it), the
 same on every replica. What it does not handle: a lead that dies between printing a line and
 recording it (a window of microseconds) makes the line appear twice; W&B keeps upstream's single
@@ -124,11 +124,19 @@ class Record:
                 self._emit(after=(key[0], key[1] - 1))
         self._was_lead = lead
 
+    def _mark_key(self) -> str:
+        """The store key of the last entry emitted at this rank's (tp, pp) position: each position
+        of a replica prints its own lines (a pipeline's last stage the losses, its first stage the
+        memory report), so each keeps its own mark."""
+        rt = self.state.driver.runtime
+        tp, pp = rt.grid.position(rt.rank)
+        return f"{_MARK}/t{tp}p{pp}"
+
     def _mark(self) -> Tuple[int, int]:
-        store = self.state.driver.runtime.store
-        if not store.check([_MARK]):
+        store, key = self.state.driver.runtime.store, self._mark_key()
+        if not store.check([key]):
             return (-1, -1)
-        return tuple(json.loads(store.get(_MARK)))
+        return tuple(json.loads(store.get(key)))
 
     def _emit(self, after: Tuple[int, int]) -> None:
         last = None
@@ -144,7 +152,7 @@ class Record:
             last = key
         if last is not None:
             sys.stdout.flush()
-            self.state.driver.runtime.store.set(_MARK, json.dumps(list(last)))
+            self.state.driver.runtime.store.set(self._mark_key(), json.dumps(list(last)))
 
     def finish(self, timeout_s: float) -> None:
         """At the end of training: if the lead died with entries this replica holds unprinted, the

@@ -156,6 +156,47 @@ def test_bf16_distributed_optimizer_keeps_the_fp32_masters_only_in_the_shards(ml
 
 
 @pytest.mark.fault
+def test_pipeline_replicas_absorb_a_kill_a_rejoin_and_a_hung_lead(mlm_checkout, tmp_path):
+    """P = 2 x D = 2: a replica is its two stages, running upstream's 1F1B schedule inside it. With
+    no failure the losses and validation losses are the unpatched run's under torchrun (to 1e-5).
+    The last stage of replica 1 is SIGKILLed in the backward of step 4: its first stage leaves
+    (exit 4: its replica's pipeline broke), replica 0 runs both replicas' micro-batches through its
+    pipeline, and the restarted replica rejoins after step 8. The lead replica's last stage (the
+    rank that prints the losses) hung in step 4: its replica leaves and the other one prints every
+    line once. With the approximations off the losses are the fault-free ones throughout."""
+    pipeline = ["--pipeline-model-parallel-size", "2"]
+    upstream = mlm.torchrun(mlm_checkout, 4, mlm.args(dp=2, iters=12, extra=pipeline + [
+        "--attention-dropout", "0", "--hidden-dropout", "0"]), script="pretrain_gpt_upstream.py")
+    assert upstream.returncode == 0, upstream.stdout[-4000:]
+    free = mlm.mecefo_launch(mlm_checkout, 4, mlm.args(dp=2, iters=12, extra=EXACT + pipeline))
+    want = mds.losses(upstream.stdout)
+    mds.assert_same_run(upstream, upstream, free, iters=12, evals=(5, 10))
+    log_dir = tmp_path / "log"
+    killed = mlm.mecefo_launch(mlm_checkout, 4, mlm.args(dp=2, iters=12, extra=EXACT + pipeline + [
+        "--mecefo-log-dir", str(log_dir), "--mecefo-inject", "kill:3:4", "--mecefo-inject", "hold:3:8"]),
+        restart_after=1, timeout=300)
+    assert killed.returncode == 0, killed.stdout[-6000:]
+    assert "rank 1 (pid" in killed.stdout and "ended: exit code 4" in killed.stdout
+    assert "generation 1: members [0, 2], cover {1: 0}" in killed.stdout
+    for rank in (1, 3):
+        events = [json.loads(line) for line in (log_dir / f"events_rank{rank}.jsonl").read_text().splitlines()]
+        assert [e["step"] for e in events if e["event"] == "rejoined"] == [9]
+    got = mds.losses(killed.stdout)
+    assert sorted(got) == list(range(1, 13))
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    mds.check_whole_and_identical(log_dir, dp=2, k=2, iters=12, pp=2)
+    hung = mlm.mecefo_launch(mlm_checkout, 4, mlm.args(dp=2, iters=12, extra=EXACT + pipeline + [
+        "--mecefo-inject", "hang:2:4", "--mecefo-collective-timeout-s", "5", "--mecefo-agree-timeout-s", "20"]))
+    assert hung.returncode == 0, hung.stdout[-4000:]
+    assert "generation 1: members [1, 3], cover {0: 1}" in hung.stdout and "rank 2 is stopped (hung)" in hung.stdout
+    got = mds.losses(hung.stdout)  # each iteration once (losses() asserts it), all of them
+    assert sorted(got) == list(range(1, 13))
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+
+
+@pytest.mark.fault
 def test_torchrun_survives_a_killed_rank_which_rejoins(mlm_checkout, tmp_path):
     """The user's own `torchrun --nproc-per-node 3 pretrain_gpt.py ... --mecefo
     --mecefo-restart-failed-after 1`: rank 1's training process is SIGKILLed at step 4 (under a

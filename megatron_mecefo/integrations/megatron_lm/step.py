@@ -42,7 +42,7 @@ class Step(DrivenHost):
 
     @classmethod
     def attach(cls, cfg: MeCeFOConfig, job: LaunchEnv, model, optimizer, scheduler, *, tensor_parallel: int,
-               micro_batches: int, micro_batch_size: int, backend: str, train_iters: Optional[int], start: int,
+               pipeline_parallel: int = 1, micro_batches: int, micro_batch_size: int, backend: str, train_iters: Optional[int], start: int,
                save: Optional[Callable[[], str]] = None, counters=None, sharded: bool = False,
                shard_dir: Optional[Callable[[], str]] = None, load_shards: Optional[str] = None) -> "Step":
         """Join the job: the runtime with what a rejoining rank receives (model, optimizer,
@@ -66,11 +66,11 @@ class Step(DrivenHost):
 
         shards = None
         if sharded:
-            shards = _sharded(optimizer, cfg, job, tensor_parallel)
+            shards = _sharded(optimizer, cfg, job, tensor_parallel, pipeline_parallel)
             if load_shards is not None and job.incarnation == 0:
                 shards.load(load_shards)
         runtime = ElasticRuntime.for_job(
-            cfg, job, tensor_parallel=tensor_parallel, pipeline_parallel=1, micro_batches=micro_batches,
+            cfg, job, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, micro_batches=micro_batches,
             backend=backend, save_checkpoint=save, train_iters=train_iters if cfg.trace is not None else None,
             state=training_state((get_model, set_model), optimizer, scheduler, counters), sharding=shards,
             save_shards=(lambda: shards.save(shard_dir())) if shards is not None and shard_dir is not None else None)
@@ -162,7 +162,8 @@ class Step(DrivenHost):
         return self.driver.finish(loss_sum=loss_sum, loss_count=tokens, micro_batches=n, averaged_over=n)
 
 
-def _sharded(optimizer, cfg: MeCeFOConfig, job: LaunchEnv, tensor_parallel: int) -> ShardedOptimizer:
+def _sharded(optimizer, cfg: MeCeFOConfig, job: LaunchEnv, tensor_parallel: int,
+             pipeline_parallel: int) -> ShardedOptimizer:
     """The sharded state of Megatron's (plain) optimizer, a ChainedOptimizer of one of:
 
     * Float16OptimizerWithFloat16Params (fp32 copies of the bf16 model parameters, the model's
@@ -186,7 +187,8 @@ def _sharded(optimizer, cfg: MeCeFOConfig, job: LaunchEnv, tensor_parallel: int)
     bf16 = any(p.dtype != torch.float32 for p in megatron_opt.get_parameters())
     # after a re-shard re-sent the fp32 copies, the bf16 model parameters follow them
     refresh = getattr(megatron_opt, "_copy_main_params_to_model_params", None)
-    shards = ShardedOptimizer.for_job(optimizer, cfg, job, tensor_parallel=tensor_parallel, pipeline_parallel=1,
+    shards = ShardedOptimizer.for_job(optimizer, cfg, job, tensor_parallel=tensor_parallel,
+                                      pipeline_parallel=pipeline_parallel,
                                       on_parameters=refresh, sources=sources, grad_attr="main_grad" if bf16 else "grad")
     if bf16:
         _bf16_parameters(megatron_opt, shards)

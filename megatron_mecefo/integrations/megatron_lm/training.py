@@ -116,13 +116,13 @@ def wrap_initialize_distributed(original: Callable) -> Callable:
         # after collective_timeout_s, not Megatron's default 10 minutes
         args.distributed_timeout_minutes = cfg.collective_timeout_s / 60
         init_replica(STATE, cfg, backend=args.distributed_backend, tensor_parallel=args.tensor_model_parallel_size,
-                     data_parallel=args.data_parallel_size)
+                     data_parallel=args.data_parallel_size, pipeline_parallel=args.pipeline_model_parallel_size)
         args.spec = list(SPEC)
         out = original(*a, **kw)
         from megatron.core import mpu
 
         if not mpu.model_parallel_is_initialized():  # upstream skips it when no device is counted
-            mpu.initialize_model_parallel(args.tensor_model_parallel_size, 1,
+            mpu.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                           distributed_timeout_minutes=args.distributed_timeout_minutes)
         return out
 
@@ -170,6 +170,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         with usage_errors():  # shard files that do not cover the state
             STATE.driver = Step.attach(
                 cfg, STATE.job, model, optimizer, scheduler, tensor_parallel=args.tensor_model_parallel_size,
+                pipeline_parallel=args.pipeline_model_parallel_size,
                 micro_batches=get_num_microbatches(), micro_batch_size=args.micro_batch_size, backend=backend,
                 train_iters=args.train_iters, start=args.iteration, save=save if args.save else None,
                 counters=counters, sharded=STATE.sharded, shard_dir=shard_dir if args.save else None,
@@ -326,7 +327,10 @@ def wrap_train_step(original: Callable) -> Callable:
 
         args, step = get_args(), STATE.driver
         k, mbs = step.runtime.k, args.micro_batch_size
-        reads_data = mpu.get_tensor_model_parallel_rank() == 0  # the others receive it by broadcast
+        # upstream's get_batch: the first and last stages read (tensor-parallel rank 0; its mates
+        # receive by broadcast), the middle stages take their input from the previous stage
+        reads_data = mpu.get_tensor_model_parallel_rank() == 0 and (
+            mpu.is_pipeline_first_stage(ignore_virtual=True) or mpu.is_pipeline_last_stage(ignore_virtual=True))
         if reads_data and STATE.train_ds is None:
             raise RuntimeError("MeCeFO has no training set: build_train_valid_test_datasets was not called")
         consumed = args.consumed_train_samples
