@@ -83,7 +83,6 @@ def refuse(checks) -> None:
 def shared_refusals(args) -> list:
     """What MeCeFO refuses in both Megatron codebases, by their common flags."""
     return [
-        (args.virtual_pipeline_model_parallel_size is not None, "--mecefo does not support a virtual pipeline"),
         (args.dataloader_type != "single",
          f"--mecefo needs --dataloader-type single (got {args.dataloader_type}): a failed rank's micro-batches are "
          "drawn from the sampler's order"),
@@ -213,7 +212,8 @@ def keep_training_set(original: Callable, state: State, cache_dir: Callable[[], 
         cache = cache_dir() if state.active else None
         with file_lock(os.path.join(cache, ".mecefo-build.lock")) if cache else contextlib.nullcontext():
             train_ds, valid_ds, test_ds = original(*a, **kw)
-        state.train_ds = train_ds
+        if train_ds is not None:  # with virtual stages it is called per model chunk, built on some only
+            state.train_ds = train_ds
         return train_ds, valid_ds, test_ds
 
     return build_train_valid_test_datasets

@@ -197,6 +197,31 @@ def test_pipeline_replicas_absorb_a_kill_a_rejoin_and_a_hung_lead(mlm_checkout, 
 
 
 @pytest.mark.fault
+def test_virtual_pipeline_stages_fold_exactly(mlm_checkout, tmp_path):
+    """Upstream's interleaved schedule (P = 3, two virtual stages per rank) × D = 2: every model
+    chunk runs the plan's micro-batches in order, each with its own data iterator as upstream's
+    train() gives it. The last stage of replica 1 is SIGKILLed in step 4; replica 0 runs 2k
+    micro-batches through its interleaved pipeline, and the losses stay the unpatched run's.
+    (P = 3 with `--no-overlap-p2p-communication`: at P = 2 upstream's interleaved schedule overlaps
+    several sends between the same two ranks, which gloo does not keep apart: NaN on CPU without
+    MeCeFO too.)"""
+    virtual = ["--pipeline-model-parallel-size", "3", "--num-layers", "6", "--num-layers-per-virtual-pipeline-stage",
+               "1", "--no-overlap-p2p-communication", "--global-batch-size", "6"]
+    upstream = mlm.torchrun(mlm_checkout, 6, mlm.args(dp=2, iters=8, extra=[
+        "--attention-dropout", "0", "--hidden-dropout", "0"] + virtual), script="pretrain_gpt_upstream.py")
+    assert upstream.returncode == 0, upstream.stdout[-4000:]
+    killed = mlm.mecefo_launch(mlm_checkout, 6, mlm.args(dp=2, iters=8, extra=EXACT + virtual + [
+        "--mecefo-log-dir", str(tmp_path / "log"), "--mecefo-inject", "kill:5:4"]))
+    assert killed.returncode == 0, killed.stdout[-6000:]
+    assert "generation 1: members [0, 2, 4], cover {1: 0}" in killed.stdout
+    want, got = mds.losses(upstream.stdout), mds.losses(killed.stdout)
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    mds.check_whole_and_identical(tmp_path / "log", dp=2, k=3, iters=8, pp=3)
+
+
+@pytest.mark.fault
 def test_torchrun_survives_a_killed_rank_which_rejoins(mlm_checkout, tmp_path):
     """The user's own `torchrun --nproc-per-node 3 pretrain_gpt.py ... --mecefo
     --mecefo-restart-failed-after 1`: rank 1's training process is SIGKILLed at step 4 (under a

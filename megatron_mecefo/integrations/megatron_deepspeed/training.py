@@ -84,6 +84,7 @@ def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, world: int) -
         ("compression_training" in ds_config, '--mecefo does not support ds_config "compression_training"'),
         (getattr(args, "transformer_impl", "local") != "local", "--mecefo supports --transformer-impl local only"),
         (args.pipeline_model_parallel_size != 1, "--mecefo supports --pipeline-model-parallel-size 1 only"),
+        (args.virtual_pipeline_model_parallel_size is not None, "--mecefo does not support a virtual pipeline"),
     ] + shared_refusals(args))
     cfg.check_ds_config(ds_config)
     check_rules(cfg.inject, world)

@@ -108,8 +108,13 @@ class Step(DrivenHost):
 
         def one_pass(plan: StepPlan):
             self._reports = []
-            data = batches(plan)
-            return train_step(self._forward_step(forward_step_func, plan), RerunDataIterator(data) if data is not None else None,
+            if len(model) > 1:  # virtual stages: an iterator per model chunk, as upstream's train() has
+                data = [batches(plan) for _ in model]
+                data = [RerunDataIterator(d) if d is not None else None for d in data]
+            else:
+                data = batches(plan)
+                data = RerunDataIterator(data) if data is not None else None
+            return train_step(self._forward_step(forward_step_func, plan, model), data,
                               model, _Gate(optimizer, self), scheduler, config,
                               self._forward_backward(forward_backward_func, plan), iteration=iteration)
 
@@ -121,14 +126,16 @@ class Step(DrivenHost):
             loss = dict(loss, **{"lm loss": torch.tensor(self.last_loss, device=loss["lm loss"].device)})
         return (loss,) + tuple(out[1:])
 
-    def _forward_step(self, forward_step_func, plan: StepPlan):
+    def _forward_step(self, forward_step_func, plan: StepPlan, chunks):
         mbs = plan.micro_batches
-        done = [0]
+        chunk_of = {id(chunk): i for i, chunk in enumerate(chunks)}
+        done = [0] * len(chunks)  # each model chunk (virtual stage) runs the plan's micro-batches in order
 
         @functools.wraps(forward_step_func)
         def forward_step(data_iterator, model, *args, **kwargs):
-            mb = mbs[done[0] % len(mbs)]  # a replay by the rerun state machine starts the plan again
-            done[0] += 1
+            c = chunk_of.get(id(model), 0)
+            mb = mbs[done[c] % len(mbs)]  # a replay by the rerun state machine starts the plan again
+            done[c] += 1
             with self.driver.forward(mb, model):
                 output, loss_func = forward_step_func(data_iterator, model, *args, **kwargs)
             self.driver.backward_point(output)
