@@ -13,6 +13,8 @@ per iteration (median over the logged intervals, the first left out as warm-up; 
 run, the intervals after the kill) and the final validation loss.
 
     python benchmarks/mlm_overhead.py          # ~5 min on 2 cores: benchmarks/results/mlm_overhead.{json,png}
+    python benchmarks/mlm_overhead.py --pp 2 --ranks 4   # D=2 x P=2 (1F1B): mlm_overhead_pp2.{json,png};
+                                                         # the last stage of replica 1 is the one killed
 
 Needs the "mlm" extra and triton (scripts/test.sh installs them into .venv/mlm-deps).
 """
@@ -37,8 +39,9 @@ _ELAPSED = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): 
 
 
 def model_args(a) -> list:
-    return mds.resize(mlm.args(dp=a.ranks, iters=a.iters, micro_batches=a.micro_batches, extra=[
-        "--log-interval", "10", "--eval-interval", str(a.iters), "--eval-iters", "2"]), layers=4, hidden=a.hidden, seq=a.seq)
+    return mds.resize(mlm.args(dp=a.ranks // a.pp, iters=a.iters, micro_batches=a.micro_batches, extra=[
+        "--log-interval", "10", "--eval-interval", str(a.iters), "--eval-iters", "2",
+        "--pipeline-model-parallel-size", str(a.pp)]), layers=4, hidden=a.hidden, seq=a.seq)
 
 
 def measure(out: str, after: int = 10) -> float:
@@ -55,8 +58,11 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mlm_overhead"))
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages per replica (upstream's 1F1B)")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/mlm_overhead[_pp2]")
     a = p.parse_args()
+    a.out = a.out or str(ROOT / "benchmarks" / "results" / ("mlm_overhead" + (f"_pp{a.pp}" if a.pp > 1 else "")))
+    victim = (a.ranks // a.pp) * (a.pp - 1) + 1  # replica 1's last stage (Megatron's rank order: dp before pp)
     os.environ.setdefault("MECEFO_MLM_DEPS", str(ROOT / ".venv" / "mlm-deps"))
     with tempfile.TemporaryDirectory() as tmp:
         root = mlm.extract(mlm.SNAPSHOT_GLOB, Path(tmp) / "Megatron-LM")
@@ -70,7 +76,7 @@ def main() -> None:
             t0 = time.time()
             plain = mlm.torchrun(root, a.ranks, args, script="pretrain_gpt_upstream.py", timeout=900)
             mecefo = mlm.mecefo_launch(root, a.ranks, on, timeout=900)
-            covered = mlm.mecefo_launch(root, a.ranks, on + ["--mecefo-inject", "kill:1:10"], timeout=900)
+            covered = mlm.mecefo_launch(root, a.ranks, on + ["--mecefo-inject", f"kill:{victim}:10"], timeout=900)
             for name, res in (("unpatched", plain), ("mecefo", mecefo), ("covered", covered)):
                 if res.returncode != 0:
                     raise SystemExit(f"{name} run failed:\n{res.stdout[-4000:]}")
@@ -85,8 +91,9 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     result = {
         "what": "Megatron-LM core_v0.16.1 pretrain_gpt.py on CPU (tests' CUDA shim): unpatched under torchrun vs "
-                "patched with --mecefo under mecefo-launch, no failure; and with rank 1 killed at step 10 (rank 0 "
-                "covers: 2k micro-batches, MeCeFO backward on k); time per iteration (median of logged intervals)",
+                "patched with --mecefo under mecefo-launch, no failure; and with replica 1 lost at step 10 (rank "
+                f"{victim} killed; replica 0 covers: 2k micro-batches, MeCeFO backward on k); time per iteration "
+                f"(median of logged intervals); {a.pp} pipeline stage(s) per replica",
         "config": vars(a), "runs": runs,
         "ratio_median": statistics.median(r["ratio"] for r in runs),
         "covered_ratio_median": statistics.median(r["covered_ratio"] for r in runs),
@@ -102,10 +109,10 @@ def main() -> None:
     xs = range(len(runs))
     ax.bar([x - 0.27 for x in xs], [r["unpatched_ms"] for r in runs], 0.27, label="unpatched (torchrun)")
     ax.bar(list(xs), [r["mecefo_ms"] for r in runs], 0.27, label="patched, --mecefo, no failure")
-    ax.bar([x + 0.27 for x in xs], [r["covered_ms"] for r in runs], 0.27, label="--mecefo, rank 1 killed (covered)")
+    ax.bar([x + 0.27 for x in xs], [r["covered_ms"] for r in runs], 0.27, label="--mecefo, replica 1 killed (covered)")
     ax.set_xticks(list(xs), [f"repeat {r['repeat']}\n×{r['ratio']:.3f} / ×{r['covered_ratio']:.2f}" for r in runs])
     ax.set_ylabel("ms per iteration")
-    ax.set_title(f"Megatron-LM on CPU, {a.ranks} ranks: healthy ×{result['ratio_median']:.3f}, "
+    ax.set_title(f"Megatron-LM on CPU, {a.ranks} ranks, P = {a.pp}: healthy ×{result['ratio_median']:.3f}, "
                  f"covered ×{result['covered_ratio_median']:.2f}", fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
