@@ -70,9 +70,14 @@ class PeerAborted(RuntimeError):
 def allreduce_sum_(group, tensor: torch.Tensor, should_abort: Optional[Callable[[], bool]] = None,
                    poll_s: float = 0.05) -> None:
     """In-place SUM all-reduce over `group`; raises on a peer failure or timeout (see wait_)."""
+    wait_(allreduce_sum_async_(group, tensor), should_abort, poll_s)
+
+
+def allreduce_sum_async_(group, tensor: torch.Tensor):
+    """Launch an in-place SUM all-reduce over `group`; returns its work (wait with wait_)."""
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM
-    wait_(group.allreduce([tensor], opts), should_abort, poll_s)
+    return group.allreduce([tensor], opts)
 
 
 def wait_(work, should_abort: Optional[Callable[[], bool]] = None, poll_s: float = 0.05) -> None:

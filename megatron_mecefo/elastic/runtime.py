@@ -346,8 +346,38 @@ class ElasticRuntime:
             self._error, self._error_time, self._error_wall = error, time.monotonic(), time.time()
             self.log.warning("peer failure detected: %s", str(error).splitlines()[0][:200])
 
+    def launch_reduction(self, tensor: torch.Tensor):
+        """Launch the SUM all-reduce of a gradient bucket over the members, during the backward
+        (overlapped reduction); returns its work for `wait_reductions`, or None when the step has
+        already failed. The bucket holds summed gradients; `reduce_gradients(..., reduced=True)`
+        applies the divisors once every bucket is in."""
+        if self._error is not None:
+            return None
+        self.injector.maybe_fire(self.step, "allreduce")
+        try:
+            return groups.allreduce_sum_async_(self.group, tensor)
+        except Exception as e:  # gloo: the connection to a peer is gone
+            self.report_error(e)
+            return None
+
+    def wait_reductions(self, works: Sequence[Any]) -> bool:
+        """Wait for launched bucket reductions (abandoned as soon as a peer declared the step
+        failed). Returns False when one failed: the error is latched and the step fails."""
+        for work in works:
+            if self._error is not None:
+                return False
+            if work is None:
+                continue
+            try:
+                groups.wait_(work, self._step_aborted)
+            except Exception as e:
+                self.report_error(e)
+                return False
+        return self._error is None
+
     def reduce_gradients(self, params: Iterable[torch.nn.Parameter], stats: Sequence[float] = (),
-                         micro_batches: Optional[int] = None, attr: str = "grad") -> List[float]:
+                         micro_batches: Optional[int] = None, attr: str = "grad",
+                         reduced: bool = False) -> List[float]:
         """All-reduce (SUM) the gradients of `params` over the members and apply MeCeFO's divisors.
 
         Every rank must have SUMMED the gradients of its micro-batches (no averaging). `stats` are
@@ -358,15 +388,28 @@ class ElasticRuntime:
         reduced in place so the buffers stay what its optimizer reads).
         With a sharded optimizer state over these parameters the gradients are reduce-scattered
         instead (shard_grads.py): each rank gets the ranges it holds, zeros elsewhere.
+        `reduced`: the gradients were all-reduced in buckets during the backward (launch_reduction,
+        wait_reductions); only the statistics are reduced here, and the divisors applied.
         """
         params = [p for p in params if p.requires_grad]
         if self._error is not None:
             return [0.0] * len(stats)
-        self.injector.maybe_fire(self.step, "allreduce")
+        if not reduced:
+            self.injector.maybe_fire(self.step, "allreduce")
         extra = list(stats) + ([float(micro_batches)] if micro_batches is not None else [])
         fold = self._fold
         try:
-            if self.sharding is not None and self.sharding.reduces(params):  # each rank's range only
+            if reduced:
+                if self.sharding is not None:
+                    self.sharding.grad_sq = None
+                out = reduce_with_divisors(self.group, [], extra, divisor=fold.divisor, divisor_mha=fold.divisor_mha,
+                                           attr=attr, should_abort=self._step_aborted)
+                with torch.no_grad():
+                    for p in params:
+                        g = getattr(p, attr, None)
+                        if g is not None:
+                            g.mul_(divisor_scale(p, fold.divisor, fold.divisor_mha))
+            elif self.sharding is not None and self.sharding.reduces(params):  # each rank's range only
                 out = reduce_scatter_with_divisors(
                     self.sharding, self.group, extra, attr=attr, should_abort=self._step_aborted,
                     scale=lambda p: divisor_scale(p, fold.divisor, fold.divisor_mha))

@@ -151,7 +151,8 @@ class StepDriver:
         """The block's collectives inside this rank's replica retire the replica when they fail."""
         return self.runtime.replica_collectives(self.runtime.step)
 
-    def finish(self, *, loss_sum: float, loss_count: float, micro_batches: int, averaged_over: int = 1) -> bool:
+    def finish(self, *, loss_sum: float, loss_count: float, micro_batches: int, averaged_over: int = 1,
+               reduced: bool = False) -> bool:
         """The step's end, after the plan's micro-batches: reduce, agree, and (committed) step.
 
         Args:
@@ -161,20 +162,22 @@ class StepDriver:
                 members did not run the whole global batch).
             averaged_over: the host's schedule divided each micro-batch's gradient by this many
                 (Megatron's schedules: the number of micro-batches); 1 when gradients are sums.
+            reduced: the host all-reduced the gradients (made sums again) in buckets during the
+                backward (runtime.launch_reduction / wait_reductions): only the divisors remain.
 
         Returns:
             True when the optimizer step was taken; False: a peer failed and the step is redone.
         """
         plan = self.plan
         params = [p for p in self.host.parameters() if p.requires_grad]
-        if averaged_over != 1:
+        if averaged_over != 1 and not reduced:
             for p in params:
                 grad = getattr(p, self.host.grad_attr, None)
                 if grad is not None:
                     grad.mul_(averaged_over)  # the runtime's divisors expect sums
         total_loss, total_count, samples = self.runtime.reduce_gradients(
             params, stats=[loss_sum, loss_count, micro_batches * self.micro_batch_size], micro_batches=micro_batches,
-            attr=self.host.grad_attr)
+            attr=self.host.grad_attr, reduced=reduced)
         loss = total_loss / total_count if total_count else None
         self.plan = None
         committed = self.runtime.commit(loss=loss, samples=int(samples), lr=self.host.lr(), **self.record_extra)

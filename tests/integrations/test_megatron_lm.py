@@ -222,6 +222,59 @@ def test_virtual_pipeline_stages_fold_exactly(mlm_checkout, tmp_path):
 
 
 @pytest.mark.fault
+def test_overlapped_reduction_in_upstreams_buckets(mlm_checkout, tmp_path):
+    """`--overlap-grad-reduce` with small buckets (`--ddp-bucket-size`): upstream's DDP hooks decide
+    when a bucket is complete in the last micro-batch's backward, and the runtime's cross-replica
+    all-reduce of that bucket starts then. 3 replicas, approximations off: the losses are those of
+    the run without overlap, every bucket group of a healthy step after the first is launched
+    during the backward; rank 1 SIGKILLed as it launches its first bucket of step 4, and rank 2
+    hung in step 6's buckets, fail the step like any reduction, and the survivors' losses stay the
+    same. With the approximations on, a covering step's buckets holding attention weights (whose
+    gradients never arrive) are launched at the end of the backward, and the run equals the same
+    kill without overlap."""
+    overlap = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
+    plain = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT))
+    assert plain.returncode == 0, plain.stdout[-4000:]
+    want = mds.losses(plain.stdout)
+    log_dir = tmp_path / "log"
+    killed = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + overlap + [
+        "--mecefo-log-dir", str(log_dir), "--mecefo-inject", "kill:1:4:allreduce"]))
+    assert killed.returncode == 0, killed.stdout[-6000:]
+    assert "generation 1: members [0, 2], cover {1: 2}" in killed.stdout
+    got = mds.losses(killed.stdout)
+    assert sorted(got) == list(range(1, 13))
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    early = {r["step"]: r["overlapped_buckets"] for r in _steps_of_rank0(log_dir)}
+    assert early[0] == 0 and early[1] >= 2 and all(early[s] == early[1] for s in range(1, 12))
+    mds.check_whole_and_identical(log_dir, dp=3, k=2, iters=12)
+    hung = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + overlap + [
+        "--mecefo-inject", "hang:2:6:allreduce", "--mecefo-collective-timeout-s", "5", "--mecefo-agree-timeout-s", "20"]))
+    assert hung.returncode == 0, hung.stdout[-4000:]
+    assert "generation 1: members [0, 1], cover {2: 0}" in hung.stdout and "rank 2 is stopped (hung)" in hung.stdout
+    got = mds.losses(hung.stdout)
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    approx = ["--mecefo", "--mecefo-rank", "16", "--mecefo-inject", "kill:1:4"]
+    folded = mlm.mecefo_launch(mlm_checkout, 2, mlm.args(dp=2, iters=8, extra=approx))
+    overlapped = mlm.mecefo_launch(mlm_checkout, 2, mlm.args(dp=2, iters=8, extra=approx + overlap + [
+        "--mecefo-log-dir", str(tmp_path / "approx")]))
+    assert folded.returncode == 0 and overlapped.returncode == 0, overlapped.stdout[-4000:]
+    want, got = mds.losses(folded.stdout), mds.losses(overlapped.stdout)
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    records = {r["step"]: r for r in _steps_of_rank0(tmp_path / "approx")}
+    assert all(m[2] for m in records[5]["micro_batches"])  # rank 0 covers: every micro-batch approximated
+    # the buckets holding attention weights wait for the backward's end
+    assert 0 < records[5]["overlapped_buckets"] < records[1]["overlapped_buckets"]
+
+
+def _steps_of_rank0(log_dir):
+    return [json.loads(line) for line in (log_dir / "steps_rank0.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.fault
 def test_torchrun_survives_a_killed_rank_which_rejoins(mlm_checkout, tmp_path):
     """The user's own `torchrun --nproc-per-node 3 pretrain_gpt.py ... --mecefo
     --mecefo-restart-failed-after 1`: rank 1's training process is SIGKILLed at step 4 (under a
@@ -330,8 +383,8 @@ def test_refused_setups_end_before_training(mlm_checkout, tmp_path):
         "--bf16 --load": ("the checkpoint in " + str(tmp_path / "bf16") + " keeps its fp32 master parameters in "
                           "Megatron's mixed-precision optimizer", base + [
             "--mecefo-rank", "16", "--bf16", "--use-distributed-optimizer", "--load", str(tmp_path / "bf16")]),
-        "--overlap-grad-reduce": ("--mecefo does not support --overlap-grad-reduce", base + [
-            "--overlap-grad-reduce"]),
+        "--overlap-param-gather": ("--mecefo does not support --overlap-param-gather", base + [
+            "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
         "transformer_engine": ("--mecefo needs --transformer-impl local (got transformer_engine)",
                                [a if a != "local" else "transformer_engine" for a in base]),
     }

@@ -38,12 +38,14 @@ class Step(DrivenHost):
         self.recompute_note = driver.recompute_note
         self.sharded: Optional[ShardedOptimizer] = None
         """The sharded optimizer state (`--use-distributed-optimizer`), or None."""
+        self.overlap: Optional[_Overlap] = None
+        """The cross-replica reduction in upstream's DDP buckets (`--overlap-grad-reduce`), or None."""
         self._reports: list = []
 
     @classmethod
     def attach(cls, cfg: MeCeFOConfig, job: LaunchEnv, model, optimizer, scheduler, *, tensor_parallel: int,
                pipeline_parallel: int = 1, micro_batches: int, micro_batch_size: int, backend: str, train_iters: Optional[int], start: int,
-               save: Optional[Callable[[], str]] = None, counters=None, sharded: bool = False,
+               save: Optional[Callable[[], str]] = None, counters=None, sharded: bool = False, overlap: bool = False,
                shard_dir: Optional[Callable[[], str]] = None, load_shards: Optional[str] = None) -> "Step":
         """Join the job: the runtime with what a rejoining rank receives (model, optimizer,
         scheduler, RNG, the training loop's counters) and the give-up checkpoint.
@@ -91,6 +93,8 @@ class Step(DrivenHost):
                     optimizer_step=optimizer.step, zero_grad=optimizer.zero_grad, lr=lr)
         out = cls(StepDriver(runtime, cfg, host, micro_batch_size=micro_batch_size))  # the schedule runs them one at a time
         out.sharded = shards
+        if overlap:
+            out.overlap = _Overlap(model, runtime)
         return out
 
     # -- the step ---------------------------------------------------------------------------------
@@ -108,6 +112,8 @@ class Step(DrivenHost):
 
         def one_pass(plan: StepPlan):
             self._reports = []
+            if self.overlap is not None:
+                self.overlap.reset(len(plan.micro_batches))
             if len(model) > 1:  # virtual stages: an iterator per model chunk, as upstream's train() has
                 data = [batches(plan) for _ in model]
                 data = [RerunDataIterator(d) if d is not None else None for d in data]
@@ -166,7 +172,10 @@ class Step(DrivenHost):
             else:  # a micro-batch's mean loss
                 loss_sum, tokens = loss_sum + float(value[0]), tokens + 1
         # the schedule averaged over the plan's n micro-batches
-        return self.driver.finish(loss_sum=loss_sum, loss_count=tokens, micro_batches=n, averaged_over=n)
+        if self.overlap is not None:
+            self.driver.record_extra["overlapped_buckets"] = self.overlap.early
+        return self.driver.finish(loss_sum=loss_sum, loss_count=tokens, micro_batches=n, averaged_over=n,
+                                  reduced=self.overlap is not None)
 
 
 def _sharded(optimizer, cfg: MeCeFOConfig, job: LaunchEnv, tensor_parallel: int,
@@ -265,6 +274,50 @@ def _bf16_parameters(megatron_opt, shards: ShardedOptimizer) -> None:
     megatron_opt.get_main_grads_for_grad_norm = get_main_grads_for_grad_norm
     megatron_opt.get_grad_norm = get_grad_norm_kept
     megatron_opt.step_with_ready_grads = clip_then_step
+
+
+class _Overlap:
+    """`--overlap-grad-reduce`: upstream's DDP bucket groups decide when a bucket's gradients are
+    final (their hooks in the backward of the step's last micro-batch, counted as upstream counts
+    them); their grad sync becomes the runtime's cross-replica all-reduce of the bucket, launched
+    then, instead of upstream's over the replica's data-parallel group (size 1). A bucket whose
+    hooks do not all fire (a covering micro-batch skips the attention backward; the first step,
+    before upstream knows its counts) is launched when upstream waits for it at the end of the
+    backward. A failed bucket fails the step like any failed reduction (the runtime latches it)."""
+
+    def __init__(self, model, runtime) -> None:
+        self.runtime = runtime
+        self.works: dict = {}
+        self.scale = 1
+        self.early = 0
+        """Bucket groups launched by upstream's hooks during the backward (the rest at its end)."""
+        for chunk in model:
+            for group in list(chunk.bucket_groups) + list(getattr(chunk, "expert_parallel_bucket_groups", [])):
+                group.start_grad_sync = functools.partial(self.start, group)
+                group.finish_grad_sync = functools.partial(self.finish, group)
+
+    def reset(self, micro_batches: int) -> None:
+        """A new pass of the step: upstream's schedule averages over `micro_batches`."""
+        self.works, self.scale, self.early = {}, micro_batches, 0
+
+    def start(self, group, force_all_reduce: bool = False) -> None:
+        self._launch(group)
+        self.early += 1  # upstream's hooks found the bucket complete during the backward
+
+    def _launch(self, group) -> None:
+        if id(group) in self.works:
+            return
+        works = []
+        for bucket in group.buckets:
+            if self.scale != 1:
+                bucket.grad_data.mul_(self.scale)  # sums again, as the runtime's divisors expect
+            works.append(self.runtime.launch_reduction(bucket.grad_data))
+        self.works[id(group)] = works
+
+    def finish(self, group, force_all_reduce: bool = False) -> None:
+        group.param_gather_dispatched = False  # as upstream's finish_grad_sync
+        self._launch(group)
+        self.runtime.wait_reductions(self.works[id(group)])
 
 
 class _Gate:

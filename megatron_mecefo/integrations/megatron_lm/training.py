@@ -68,9 +68,9 @@ def check_args(args, cfg: MeCeFOConfig, world: int) -> None:
          "--mecefo does not support MoE (--num-experts / --expert-model-parallel-size)"),
         (bool(getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False)),
          "--mecefo does not support FSDP (--use-torch-fsdp2 / --use-megatron-fsdp)"),
-        (args.overlap_grad_reduce or args.overlap_param_gather,
-         "--mecefo does not support --overlap-grad-reduce / --overlap-param-gather (MeCeFO reduces the gradients "
-         "across replicas after the step's micro-batches)"),
+        (args.overlap_param_gather,
+         "--mecefo does not support --overlap-param-gather (with --use-distributed-optimizer MeCeFO gathers the "
+         "parameters after its sharded update)"),
         (args.fp16, "--mecefo does not support --fp16 yet (a dynamic loss scale skips steps): use --bf16 or fp32"),
         (args.calculate_per_token_loss, "--mecefo does not support --calculate-per-token-loss"),
         (args.use_distributed_optimizer and args.log_num_zeros_in_grad,
@@ -173,7 +173,8 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
                 pipeline_parallel=args.pipeline_model_parallel_size,
                 micro_batches=get_num_microbatches(), micro_batch_size=args.micro_batch_size, backend=backend,
                 train_iters=args.train_iters, start=args.iteration, save=save if args.save else None,
-                counters=counters, sharded=STATE.sharded, shard_dir=shard_dir if args.save else None,
+                counters=counters, sharded=STATE.sharded, overlap=args.overlap_grad_reduce,
+                shard_dir=shard_dir if args.save else None,
                 load_shards=sharded_checkpoint(args) if STATE.sharded and args.iteration > 0 else None)
         if STATE.sharded and args.save:
             STATE.save_shards = lambda iteration=None: STATE.driver.sharded.save(shard_dir(iteration))
