@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, TypeVar
 
 import torch
@@ -119,6 +120,7 @@ class StepDriver:
         self.runtime.begin_step(step)
         self.plan = self.runtime.plan()
         self.optimizer_result = None
+        self.record_extra.pop("exposed_reduce_s", None)  # this pass's
         if self.cfg.log_param_hash:  # replicas must be bit-identical at the start of every step
             self.record_extra["param_sha256"] = param_digest(self.host.module)
         return self.plan
@@ -175,9 +177,13 @@ class StepDriver:
                 grad = getattr(p, self.host.grad_attr, None)
                 if grad is not None:
                     grad.mul_(averaged_over)  # the runtime's divisors expect sums
+        t0 = time.monotonic()
         total_loss, total_count, samples = self.runtime.reduce_gradients(
             params, stats=[loss_sum, loss_count, micro_batches * self.micro_batch_size], micro_batches=micro_batches,
             attr=self.host.grad_attr, reduced=reduced)
+        # the reduction the backward did not hide (with overlap: what the host waited, plus this)
+        self.record_extra["exposed_reduce_s"] = round(self.record_extra.get("exposed_reduce_s", 0.0)
+                                                      + time.monotonic() - t0, 6)
         loss = total_loss / total_count if total_count else None
         self.plan = None
         committed = self.runtime.commit(loss=loss, samples=int(samples), lr=self.host.lr(), **self.record_extra)

@@ -17,6 +17,7 @@ sequence itself (plan, covering, injection, reduction, commit, redo) is elastic/
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -174,6 +175,7 @@ class Step(DrivenHost):
         # the schedule averaged over the plan's n micro-batches
         if self.overlap is not None:
             self.driver.record_extra["overlapped_buckets"] = self.overlap.early
+            self.driver.record_extra["exposed_reduce_s"] = round(self.overlap.waited_s, 6)
         return self.driver.finish(loss_sum=loss_sum, loss_count=tokens, micro_batches=n, averaged_over=n,
                                   reduced=self.overlap is not None)
 
@@ -291,6 +293,8 @@ class _Overlap:
         self.scale = 1
         self.early = 0
         """Bucket groups launched by upstream's hooks during the backward (the rest at its end)."""
+        self.waited_s = 0.0
+        """Time spent waiting for the buckets at the end of the backward (the exposed reduction)."""
         for chunk in model:
             for group in list(chunk.bucket_groups) + list(getattr(chunk, "expert_parallel_bucket_groups", [])):
                 group.start_grad_sync = functools.partial(self.start, group)
@@ -298,7 +302,7 @@ class _Overlap:
 
     def reset(self, micro_batches: int) -> None:
         """A new pass of the step: upstream's schedule averages over `micro_batches`."""
-        self.works, self.scale, self.early = {}, micro_batches, 0
+        self.works, self.scale, self.early, self.waited_s = {}, micro_batches, 0, 0.0
 
     def start(self, group, force_all_reduce: bool = False) -> None:
         self._launch(group)
@@ -317,7 +321,9 @@ class _Overlap:
     def finish(self, group, force_all_reduce: bool = False) -> None:
         group.param_gather_dispatched = False  # as upstream's finish_grad_sync
         self._launch(group)
+        t0 = time.monotonic()
         self.runtime.wait_reductions(self.works[id(group)])
+        self.waited_s += time.monotonic() - t0
 
 
 class _Gate:
