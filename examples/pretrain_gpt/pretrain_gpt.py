@@ -49,6 +49,9 @@ def parse_args(argv=None):
     a("--min-lr", type=float, default=0.0); a("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
     a("--lr-warmup-iters", type=int, default=0); a("--weight-decay", type=float, default=None)
     a("--clip-grad", type=float, default=None); a("--bf16", action="store_true", default=None); a("--seed", type=int, default=1234)
+    a("--overlap-grad-reduce", action="store_true", default=None,
+      help='reduce the gradients in buckets during the last micro-batch\'s backward (ds_config "zero_optimization.overlap_comm")')
+    a("--ddp-bucket-size", type=int, default=None, help='elements per bucket (ds_config "zero_optimization.reduce_bucket_size")')
     a("--eval-interval", type=int, default=100); a("--eval-iters", type=int, default=10)
     a("--log-interval", type=int, default=10)
     a("--save", default=None); a("--load", default=None); a("--save-interval", type=int, default=None)
@@ -85,7 +88,8 @@ def read_ds_config(args):
         return json.load(f)
 
 
-FLAG_DEFAULTS = {"micro_batch_size": 4, "lr": 1e-3, "weight_decay": 0.01, "clip_grad": 1.0, "bf16": False}
+FLAG_DEFAULTS = {"micro_batch_size": 4, "lr": 1e-3, "weight_decay": 0.01, "clip_grad": 1.0, "bf16": False,
+                 "overlap_grad_reduce": False, "ddp_bucket_size": 500_000_000}
 """Used when neither the flag nor ds_config sets the value."""
 
 
@@ -114,6 +118,8 @@ def ds_config_for(args, world):
     _settle(args, "weight_decay", cfg, ("optimizer", "params", "weight_decay"), "--weight-decay")
     _settle(args, "clip_grad", cfg, ("gradient_clipping",), "--clip-grad")
     _settle(args, "bf16", cfg, ("bf16", "enabled"), "--bf16")
+    _settle(args, "overlap_grad_reduce", cfg, ("zero_optimization", "overlap_comm"), "--overlap-grad-reduce")
+    _settle(args, "ddp_bucket_size", cfg, ("zero_optimization", "reduce_bucket_size"), "--ddp-bucket-size")
     if args.global_batch_size is None and "train_batch_size" in cfg:
         args.global_batch_size = cfg["train_batch_size"]
     gbs = args.global_batch_size or args.micro_batch_size * world

@@ -41,6 +41,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import time
 from typing import Any, Dict, Iterator, Optional
 
 import torch
@@ -48,6 +49,7 @@ import torch
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.deepspeed_hook.checkpoint import load_checkpoint, restrict_checkpoint_loading, save_checkpoint
 from megatron_mecefo.elastic.bootstrap import init_distributed, param_digest
+from megatron_mecefo.elastic.buckets import GradBuckets
 from megatron_mecefo.elastic.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver, training_state
@@ -86,6 +88,8 @@ def replica_ds_config(ds_config: Dict[str, Any], world: int) -> tuple:
     cfg.update(train_batch_size=mb * gas, gradient_accumulation_steps=gas, managed_gradient_accumulation=False)
     if cfg.get("zero_optimization", {}).get("stage", 0) == 1:  # the runtime shards over the replicas
         cfg["zero_optimization"] = {**cfg["zero_optimization"], "stage": 0}
+    if "overlap_comm" in cfg.get("zero_optimization", {}):  # the runtime's (overlap_bucket), not DeepSpeed's
+        cfg["zero_optimization"] = {k: v for k, v in cfg["zero_optimization"].items() if k != "overlap_comm"}
     return cfg, gas, mb
 
 
@@ -103,6 +107,15 @@ def bf16_parameters(ds_config: Dict[str, Any]) -> bool:
     return False
 
 
+def overlap_bucket(ds_config: Dict[str, Any]) -> Optional[int]:
+    """ds_config "zero_optimization.overlap_comm" (DeepSpeed's switch for overlapping the gradient
+    reduction with the backward): the runtime's all-reduce then runs in buckets of
+    "reduce_bucket_size" elements (DeepSpeed's default 5e8) during the last micro-batch's backward.
+    None: one buffer after the backward."""
+    zero = ds_config.get("zero_optimization", {})
+    return int(zero.get("reduce_bucket_size", 500_000_000)) if zero.get("overlap_comm", False) else None
+
+
 def zero_stage(ds_config: Dict[str, Any]) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
@@ -113,7 +126,7 @@ class MeCeFOEngine(DrivenHost):
     forward / finish; everything else is the DeepSpeed engine's."""
 
     def __init__(self, engine, runtime: ElasticRuntime, cfg: MeCeFOConfig, micro_batch_size: int,
-                 clip_grad: float = 0.0) -> None:
+                 clip_grad: float = 0.0, overlap_bucket: Optional[int] = None) -> None:
         self.engine = engine
         self.clip_grad = clip_grad
         """With tensor or pipeline parallelism, or a sharded optimizer state, the engine clips
@@ -133,6 +146,12 @@ class MeCeFOEngine(DrivenHost):
         self._done = 0
         self._loss_sum = 0.0
         self._step_kwargs: Dict[str, Any] = {}
+        self.buckets: Optional[GradBuckets] = None
+        """The reduction overlapped with the last micro-batch's backward (ds_config
+        "zero_optimization.overlap_comm"; data parallelism only: with T or P > 1 Megatron-Core's
+        schedule runs the backward), or None."""
+        if overlap_bucket is not None and runtime.grid.tp * runtime.grid.pp == 1:
+            self.buckets = GradBuckets(engine.module.parameters(), runtime, bucket_numel=overlap_bucket)
 
     # -- what to run ------------------------------------------------------------------------------
 
@@ -171,6 +190,8 @@ class MeCeFOEngine(DrivenHost):
             return self.engine(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, **kwargs):
+        if self.buckets is not None and self._done == len(self.plan().micro_batches) - 1:
+            self.buckets.arm()  # the step's last micro-batch: complete buckets reduce during its backward
         self.driver.fire("backward")
         self._loss_sum += float(loss.detach())
         with self.driver.replica_collectives():
@@ -209,7 +230,13 @@ class MeCeFOEngine(DrivenHost):
 
     def _finish(self, loss_sum: float, ran: int, **step_kwargs) -> bool:
         self._step_kwargs = step_kwargs
-        return self.driver.finish(loss_sum=loss_sum, loss_count=ran, micro_batches=ran)
+        reduced = self.buckets is not None and self.buckets.armed
+        if reduced:
+            t0 = time.monotonic()
+            self.buckets.finish()  # a failed bucket is latched by the runtime: the step fails below
+            self.driver.record_extra.update(overlapped_buckets=self.buckets.early,
+                                            exposed_reduce_s=round(time.monotonic() - t0, 6))
+        return self.driver.finish(loss_sum=loss_sum, loss_count=ran, micro_batches=ran, reduced=reduced)
 
     def _optimizer_step(self):
         return self.engine.step(**self._step_kwargs)
@@ -311,7 +338,8 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
     save = (lambda: save_checkpoint(engine, save_dir)) if save_dir is not None else None
     return attach_runtime(engine, cfg, job, tensor_parallel=tp, pipeline_parallel=pp, micro_batches=k,
                           micro_batch_size=mb, clip_grad=clip, backend=backend, train_iters=train_iters,
-                          save=save, load=load, save_dir=save_dir, load_dir=load_dir, sharded=sharded)
+                          save=save, load=load, save_dir=save_dir, load_dir=load_dir, sharded=sharded,
+                          overlap_bucket=overlap_bucket(config))
 
 
 def engine_clipping(ds_config: Dict[str, Any], *, model_parallel: int, sharded: bool) -> float:
@@ -328,7 +356,7 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
                    micro_batches: int, micro_batch_size: int, clip_grad: float = 0.0, backend: str = "gloo",
                    train_iters: Optional[int] = None, save=None, load=None, extra_state=None,
                    module_state=None, sharded: bool = False, save_dir: Optional[str] = None,
-                   load_dir: Optional[str] = None) -> MeCeFOEngine:
+                   load_dir: Optional[str] = None, overlap_bucket: Optional[int] = None) -> MeCeFOEngine:
     """Join the job with a DeepSpeed engine built over this rank's replica: the runtime, its state
     hooks (module, optimizer, scheduler, counters, RNG; what a rejoining rank receives) and the
     give-up checkpoint, then `start()`. Shared by `initialize` and the integrations.
@@ -380,5 +408,5 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
     step = runtime.start(engine.global_steps)
     if step != engine.global_steps:
         raise RuntimeError(f"runtime step {step} != engine step {engine.global_steps}")
-    return MeCeFOEngine(engine, runtime, cfg, micro_batch_size, clip_grad=clip_grad)
+    return MeCeFOEngine(engine, runtime, cfg, micro_batch_size, clip_grad=clip_grad, overlap_bucket=overlap_bucket)
 

@@ -285,32 +285,49 @@ class _Overlap:
     then, instead of upstream's over the replica's data-parallel group (size 1). A bucket whose
     hooks do not all fire (a covering micro-batch skips the attention backward; the first step,
     before upstream knows its counts) is launched when upstream waits for it at the end of the
-    backward. A failed bucket fails the step like any failed reduction (the runtime latches it)."""
+    backward. Bucket groups launch in one fixed order on every rank (the last model chunk's first,
+    each chunk's in upstream's order, which is the backward's): a complete group waits for the ones
+    before it, since a covering rank completes them in another order than an exact one and every
+    member must issue the same collectives in the same order. A failed bucket fails the step like
+    any failed reduction (the runtime latches it)."""
 
     def __init__(self, model, runtime) -> None:
         self.runtime = runtime
+        self.order: list = []
         self.works: dict = {}
+        self.ready: set = set()
         self.scale = 1
         self.early = 0
         """Bucket groups launched by upstream's hooks during the backward (the rest at its end)."""
         self.waited_s = 0.0
         """Time spent waiting for the buckets at the end of the backward (the exposed reduction)."""
-        for chunk in model:
+        for chunk in reversed(list(model)):
             for group in list(chunk.bucket_groups) + list(getattr(chunk, "expert_parallel_bucket_groups", [])):
                 group.start_grad_sync = functools.partial(self.start, group)
                 group.finish_grad_sync = functools.partial(self.finish, group)
+                self.order.append(group)
+        self.index = {id(g): i for i, g in enumerate(self.order)}
 
     def reset(self, micro_batches: int) -> None:
         """A new pass of the step: upstream's schedule averages over `micro_batches`."""
-        self.works, self.scale, self.early, self.waited_s = {}, micro_batches, 0, 0.0
+        self.works, self.ready, self.scale, self.early, self.waited_s = {}, set(), micro_batches, 0, 0.0
 
     def start(self, group, force_all_reduce: bool = False) -> None:
-        self._launch(group)
-        self.early += 1  # upstream's hooks found the bucket complete during the backward
+        """Upstream's hooks found the group complete during the backward."""
+        self.ready.add(id(group))
+        self._launch_upto(len(self.order), early=True)
+
+    def _launch_upto(self, end: int, early: bool = False) -> None:
+        """Launch, in order, the groups before `end` (early: only while they are complete)."""
+        for group in self.order[:end]:
+            if id(group) in self.works:
+                continue
+            if early and id(group) not in self.ready:
+                return
+            self._launch(group)
+            self.early += early
 
     def _launch(self, group) -> None:
-        if id(group) in self.works:
-            return
         works = []
         for bucket in group.buckets:
             if self.scale != 1:
@@ -320,7 +337,7 @@ class _Overlap:
 
     def finish(self, group, force_all_reduce: bool = False) -> None:
         group.param_gather_dispatched = False  # as upstream's finish_grad_sync
-        self._launch(group)
+        self._launch_upto(self.index[id(group)] + 1)
         t0 = time.monotonic()
         self.runtime.wait_reductions(self.works[id(group)])
         self.waited_s += time.monotonic() - t0
