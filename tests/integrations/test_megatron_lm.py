@@ -64,14 +64,8 @@ def test_distributed_optimizer_is_sharded_through_a_kill_a_rejoin_and_a_hang(mlm
     free = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT))
     assert free.returncode == 0, free.stdout[-4000:]
     ckpt, log_dir = tmp_path / "ckpt", tmp_path / "log"
-    sharded = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + [
-        "--use-distributed-optimizer", "--mecefo-log-dir", str(log_dir), "--mecefo-inject", "kill:1:4:optimizer",
-        "--mecefo-inject", "hold:1:8", "--save", str(ckpt), "--save-interval", "10"]), restart_after=1, timeout=300)
-    assert sharded.returncode == 0, sharded.stdout[-6000:]
+    sharded = _sharded_kill_and_rejoin(mlm_checkout, EXACT, ckpt, log_dir)
     assert "optimizer state sharded over 3 replicas (shard_redundancy=neighbour)" in sharded.stdout
-    assert "generation 1: members [0, 2], cover {1: 2}" in sharded.stdout
-    events = [json.loads(line) for line in (log_dir / "events_rank1.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["event"] == "rejoined"] == [9]
     want, got = mds.losses(free.stdout), mds.losses(sharded.stdout)
     assert sorted(got) == sorted(want) == list(range(1, 13))
     for it in want:
@@ -103,6 +97,19 @@ def test_distributed_optimizer_is_sharded_through_a_kill_a_rejoin_and_a_hang(mlm
         assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
 
 
+def _sharded_kill_and_rejoin(checkout, flags, ckpt, log_dir):
+    """3 replicas with --use-distributed-optimizer: rank 1 SIGKILLed after step 4's commit,
+    restarted, rejoined after step 8; the checkpoint of iteration 10 saved."""
+    out = mlm.mecefo_launch(checkout, 3, mlm.args(dp=3, iters=12, extra=flags + [
+        "--use-distributed-optimizer", "--mecefo-log-dir", str(log_dir), "--mecefo-inject", "kill:1:4:optimizer",
+        "--mecefo-inject", "hold:1:8", "--save", str(ckpt), "--save-interval", "10"]), restart_after=1, timeout=300)
+    assert out.returncode == 0, out.stdout[-6000:]
+    assert "generation 1: members [0, 2], cover {1: 2}" in out.stdout
+    events = [json.loads(line) for line in (log_dir / "events_rank1.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "rejoined"] == [9]
+    return out
+
+
 @pytest.mark.fault
 def test_bf16_distributed_optimizer_keeps_the_fp32_masters_only_in_the_shards(mlm_checkout, tmp_path):
     """`--bf16 --use-distributed-optimizer` with 3 replicas: upstream's optimizer holds no fp32 copies
@@ -130,13 +137,7 @@ def test_bf16_distributed_optimizer_keeps_the_fp32_masters_only_in_the_shards(ml
     for it in want:  # not clipping, or skipping the clip, moves the loss by > 1e-4 from iteration 4 on
         assert got[it] == pytest.approx(want[it], rel=1e-5 if it <= 8 else 5e-5), it
     ckpt, log_dir = tmp_path / "ckpt", tmp_path / "log"
-    killed = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=bf16 + [
-        "--use-distributed-optimizer", "--mecefo-log-dir", str(log_dir), "--mecefo-inject", "kill:1:4:optimizer",
-        "--mecefo-inject", "hold:1:8", "--save", str(ckpt), "--save-interval", "10"]), restart_after=1, timeout=300)
-    assert killed.returncode == 0, killed.stdout[-6000:]
-    assert "generation 1: members [0, 2], cover {1: 2}" in killed.stdout
-    events = [json.loads(line) for line in (log_dir / "events_rank1.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["event"] == "rejoined"] == [9]
+    killed = _sharded_kill_and_rejoin(mlm_checkout, bf16, ckpt, log_dir)
     sharded_free, after_kill = got, mds.losses(killed.stdout)
     for it in sharded_free:
         assert after_kill[it] == pytest.approx(sharded_free[it], rel=1e-5, abs=1e-6), it
