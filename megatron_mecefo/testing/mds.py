@@ -95,12 +95,16 @@ def free_port() -> int:
 
 
 def args(data: Path, ds_config: Path, *, dp: int, tp: int = 1, iters: int = 10, micro_batches: int = 2,
-         extra: List[str] = (), zero_stage: int = 0) -> List[str]:
+         extra: List[str] = (), zero_stage: int = 0, overlap_bucket: Optional[int] = None) -> List[str]:
     """A tiny GPT, the flags a user passes (CPU needs --no-gradient-accumulation-fusion and the fused
-    kernels off), and a ds_config for `dp` data-parallel ranks (ZeRO `zero_stage`)."""
+    kernels off), and a ds_config for `dp` data-parallel ranks (ZeRO `zero_stage`; `overlap_bucket`:
+    "overlap_comm" with buckets of that many elements)."""
     gbs = dp * micro_batches
+    zero = {"stage": zero_stage}
+    if overlap_bucket is not None:
+        zero.update(overlap_comm=True, reduce_bucket_size=overlap_bucket)
     ds_config.write_text(json.dumps({"train_batch_size": gbs, "train_micro_batch_size_per_gpu": 1,
-                                     "steps_per_print": 10000, "zero_optimization": {"stage": zero_stage},
+                                     "steps_per_print": 10000, "zero_optimization": zero,
                                      "gradient_clipping": 1.0}))
     return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
             "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",

@@ -130,7 +130,8 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
             return original(model_provider_func, model_type, *a, **kw)
         from megatron import get_args, get_num_microbatches
 
-        from megatron_mecefo.deepspeed_hook.engine import attach_runtime, engine_clipping, replica_ds_config, zero_stage
+        from megatron_mecefo.deepspeed_hook.engine import (attach_runtime, engine_clipping, overlap_bucket,
+                                                           replica_ds_config, zero_stage)
         from megatron_mecefo.integrations.megatron_deepspeed.layers import wrap_model
 
         args, cfg = get_args(), STATE.cfg
@@ -171,6 +172,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
                                       pipeline_parallel=1, micro_batches=k, micro_batch_size=mb, backend=backend,
                                       train_iters=args.train_iters, save=save if args.save else None,
                                       sharded=sharded, save_dir=args.save, load_dir=args.load, clip_grad=clip,
+                                      overlap_bucket=overlap_bucket(args.deepspeed_config_dict),
                                       extra_state=counters,
                                       module_state=(engine.module.state_dict_for_save_checkpoint,
                                                     engine.module.load_state_dict))
