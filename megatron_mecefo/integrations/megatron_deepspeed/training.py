@@ -136,6 +136,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
 
         args, cfg = get_args(), STATE.cfg
         sharded = zero_stage(args.deepspeed_config_dict) == 1  # MeCeFO's, over the replicas (the engine runs 0)
+        overlap = overlap_bucket(args.deepspeed_config_dict)  # MeCeFO's too (the replica's ds_config drops it)
         with usage_errors():
             ds_config, k, mb = replica_ds_config(args.deepspeed_config_dict, STATE.dp)
         if k != get_num_microbatches() or mb != args.micro_batch_size:
@@ -172,7 +173,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
                                       pipeline_parallel=1, micro_batches=k, micro_batch_size=mb, backend=backend,
                                       train_iters=args.train_iters, save=save if args.save else None,
                                       sharded=sharded, save_dir=args.save, load_dir=args.load, clip_grad=clip,
-                                      overlap_bucket=overlap_bucket(args.deepspeed_config_dict),
+                                      overlap_bucket=overlap,
                                       extra_state=counters,
                                       module_state=(engine.module.state_dict_for_save_checkpoint,
                                                     engine.module.load_state_dict))
