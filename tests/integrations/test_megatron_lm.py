@@ -228,9 +228,9 @@ def test_overlapped_reduction_in_upstreams_buckets(mlm_checkout, tmp_path):
     when a bucket is complete in the last micro-batch's backward, and the runtime's cross-replica
     all-reduce of that bucket starts then. 3 replicas, approximations off: the losses are those of
     the run without overlap, every bucket group of a healthy step after the first is launched
-    during the backward; rank 1 SIGKILLed as it launches its first bucket of step 4, and rank 2
-    hung in step 6's buckets, fail the step like any reduction, and the survivors' losses stay the
-    same. With the approximations on (3 replicas, rank 2 covering rank 1), the covering rank's
+    during the backward; rank 1 SIGKILLed as it launches its first bucket of step 4 fails the step
+    like any reduction, and the survivors' losses stay the same (a hang in flight:
+    tests/data/test_pretrain_gpt_overlap.py). With the approximations on (3 replicas, rank 2 covering rank 1), the covering rank's
     buckets holding attention weights (whose gradients never arrive) are launched at the end of the
     backward, in the same order as rank 0's, and the run equals the same kill without overlap."""
     overlap = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
@@ -249,13 +249,6 @@ def test_overlapped_reduction_in_upstreams_buckets(mlm_checkout, tmp_path):
     early = {r["step"]: r["overlapped_buckets"] for r in _steps_of(log_dir)}
     assert early[0] == 0 and early[1] >= 2 and all(early[s] == early[1] for s in range(1, 12))
     mds.check_whole_and_identical(log_dir, dp=3, k=2, iters=12)
-    hung = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + overlap + [
-        "--mecefo-inject", "hang:2:6:allreduce", "--mecefo-collective-timeout-s", "5", "--mecefo-agree-timeout-s", "20"]))
-    assert hung.returncode == 0, hung.stdout[-4000:]
-    assert "generation 1: members [0, 1], cover {2: 0}" in hung.stdout and "rank 2 is stopped (hung)" in hung.stdout
-    got = mds.losses(hung.stdout)
-    for it in want:
-        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
     approx = ["--mecefo", "--mecefo-rank", "16", "--mecefo-inject", "kill:1:4"]
     folded = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=8, extra=approx))
     overlapped = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=8, extra=approx + overlap + [

@@ -32,10 +32,10 @@ class FakeWriter:
         self.calls.append(args)
 
 
-def make(replica, lead, alive=(0, 1, 2)):
-    store, writer = FakeStore(), FakeWriter()
-    grid = Grid(dp=3)
-    rt = types.SimpleNamespace(store=store, rank=replica, grid=grid,
+def make(replica, lead, alive=(0, 1, 2), grid=None, store=None, rank=None):
+    store, writer = FakeStore() if store is None else store, FakeWriter()
+    grid = grid or Grid(dp=3)
+    rt = types.SimpleNamespace(store=store, rank=replica if rank is None else rank, grid=grid,
                                cover_map=lambda: CoverMap(grid=grid, live=(0, 1, 2), cover={}),
                                membership=types.SimpleNamespace(alive=lambda ranks: [r for r in ranks if r in alive]))
     driver = types.SimpleNamespace(runtime=rt, driver=types.SimpleNamespace(committed=0))
@@ -59,28 +59,41 @@ def test_a_new_lead_prints_what_the_old_one_had_not(capsys):
         driver.committed = it
         log(it)
     assert capsys.readouterr().out == "" and writer.calls == []  # not the lead: held
-    store.set("record/emitted", "[4, 0]")  # the old lead printed iteration 4, then died
+    store.set("record/emitted/t0p0", "[4, 0]")  # the old lead printed iteration 4, then died
     lead[0] = True
     driver.committed = 6
     log(6)
     assert capsys.readouterr().out == " iteration 5\n iteration 6\n"
     assert writer.calls == [("lm loss", 1 / 5, 5), ("lm loss", 1 / 6, 6)], "TensorBoard moves with the lead"
-    assert store["record/emitted"] == "[6, 0]"
+    assert store["record/emitted/t0p0"] == "[6, 0]"
     driver.committed = 7
     log(7)
     assert capsys.readouterr().out == " iteration 7\n"
+
+
+def test_each_position_of_a_replica_keeps_its_own_mark(capsys):
+    """A pipeline's first stage emitting its entry of an iteration (its memory report) must not
+    hide the last stage's loss line of the same iteration: the marks are per (tp, pp) position."""
+    grid, store = Grid(dp=2, pp=2), FakeStore()  # replica 0: rank 0 (stage 0), rank 2 (stage 1)
+    first, log_first, d_first, _, _ = make(0, [True], grid=grid, store=store, rank=0)
+    last, log_last, d_last, _, _ = make(0, [True], grid=grid, store=store, rank=2)
+    d_first.committed = d_last.committed = 1
+    log_first(1)  # the first stage prints (and marks) its entry of iteration 1 first
+    log_last(1)
+    assert capsys.readouterr().out == " iteration 1\n iteration 1\n"
+    assert store["record/emitted/t0p0"] == store["record/emitted/t0p1"] == "[1, 0]"
 
 
 def test_the_lowest_replica_left_prints_the_end_of_a_dead_lead(capsys):
     record, log, driver, store, writer = make(replica=1, lead=[False], alive=(1, 2))
     driver.committed = 8
     log(8)
-    store.set("record/emitted", "[7, 0]")
+    store.set("record/emitted/t0p0", "[7, 0]")
     record.finish(timeout_s=1.0)
     assert capsys.readouterr().out == " iteration 8\n"
     other, log2, driver2, store2, _ = make(replica=2, lead=[False], alive=(1, 2))
     driver2.committed = 8
     log2(8)
-    store2.set("record/emitted", "[7, 0]")
+    store2.set("record/emitted/t0p0", "[7, 0]")
     other.finish(timeout_s=0.3)  # replica 1 is alive and lower: replica 2 stays quiet
     assert capsys.readouterr().out == ""
