@@ -130,8 +130,9 @@ def test_pipeline_stages_shard_their_own_state_through_a_kill_and_a_rejoin(tmp_p
               "--mecefo-agree-timeout-s", "20"]
     ref = losses(run(tmp_path, 4, 0, *EXACT, *layout).stdout)
     ckpt = tmp_path / "ckpt"
+    # the job waits at step 5 for both ranks of replica 0 (the killed one and its mate, which leaves)
     out = run(tmp_path, 4, 1, *EXACT, *layout, "--mecefo-inject", "kill:0:3:backward", "--mecefo-inject", "hold:0:5",
-              "--save", str(ckpt), launcher=["--restart-failed-after", "0"]).stdout
+              "--mecefo-inject", "hold:2:5", "--save", str(ckpt), launcher=["--restart-failed-after", "0"]).stdout
     assert "cover 0->1" in out and "live 2/2" in out.split("cover 0->1")[-1]
     got = losses(out)
     assert [got[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
