@@ -174,7 +174,8 @@ def test_pipeline_replicas_absorb_a_kill_a_rejoin_and_a_hung_lead(mlm_checkout, 
     mds.assert_same_run(upstream, upstream, free, iters=12, evals=(5, 10))
     log_dir = tmp_path / "log"
     killed = mlm.mecefo_launch(mlm_checkout, 4, mlm.args(dp=2, iters=12, extra=EXACT + pipeline + [
-        "--mecefo-log-dir", str(log_dir), "--mecefo-inject", "kill:3:4", "--mecefo-inject", "hold:3:8"]),
+        "--mecefo-log-dir", str(log_dir), "--mecefo-inject", "kill:3:4", "--mecefo-inject", "hold:3:8",
+        "--mecefo-inject", "hold:1:8"]),  # the job waits for both ranks of the replica (its mate left too)
         restart_after=1, timeout=300)
     assert killed.returncode == 0, killed.stdout[-6000:]
     assert "rank 1 (pid" in killed.stdout and "ended: exit code 4" in killed.stdout
