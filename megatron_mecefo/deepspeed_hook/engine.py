@@ -190,8 +190,11 @@ class MeCeFOEngine(DrivenHost):
             return self.engine(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, **kwargs):
-        if self.buckets is not None and self._done == len(self.plan().micro_batches) - 1:
-            self.buckets.arm()  # the step's last micro-batch: complete buckets reduce during its backward
+        if self.buckets is not None:  # the step's last micro-batch: complete buckets reduce during its backward
+            if self._done == len(self.plan().micro_batches) - 1:
+                self.buckets.arm()
+            else:  # an earlier one (also of a pass redone after a failure in the last backward)
+                self.buckets.disarm()
         self.driver.fire("backward")
         self._loss_sum += float(loss.detach())
         with self.driver.replica_collectives():

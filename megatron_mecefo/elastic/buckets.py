@@ -57,7 +57,8 @@ class GradBuckets:
         self._pending = {b: {id(p) for p in ps} for b, ps in enumerate(self.buckets)}
 
     def disarm(self) -> None:
-        """The pass ended without `finish` (a failed step): nothing in flight is written back."""
+        """Not the last micro-batch's backward (or a pass that ended without `finish`): the hooks
+        launch nothing, and nothing launched is written back."""
         self.armed, self._launched = False, {}
 
     def _ready(self, p: torch.nn.Parameter) -> None:
