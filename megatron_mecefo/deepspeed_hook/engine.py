@@ -120,6 +120,12 @@ def zero_stage(ds_config: Dict[str, Any]) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
 
+def _is_pipeline_engine(engine) -> bool:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    return isinstance(engine, PipelineEngine)
+
+
 class MeCeFOEngine(DrivenHost):
     """A DeepSpeedEngine as the host of MeCeFO's step driver (elastic/step.py): `engine(...)`,
     `backward`, `step` (and `train_step` for Megatron's schedules) translate into the driver's
@@ -133,7 +139,7 @@ class MeCeFOEngine(DrivenHost):
         (schedule.clip_grad_norm), not DeepSpeed (engine_clipping)."""
         self.sharded: Optional[ShardedOptimizer] = runtime.sharding
         """The sharded optimizer state (ds_config zero stage 1), or None."""
-        clips = runtime.grid.tp * runtime.grid.pp > 1 or self.sharded is not None
+        clips = (runtime.grid.tp * runtime.grid.pp > 1 and clip_grad > 0) or self.sharded is not None
         host = Host(module=engine.module, parameters=engine.module.parameters, optimizer_step=self._optimizer_step,
                     zero_grad=engine.zero_grad, lr=self._lr, before_optimizer=self._clip if clips else None)
         # micro-batches run one at a time here: recompute_ffn="auto" resolves to off
@@ -142,6 +148,10 @@ class MeCeFOEngine(DrivenHost):
         self.micro_batch_size = micro_batch_size
         self.recompute_note = self.driver.recompute_note
         self.engine.enable_backward_allreduce = False  # the runtime reduces across replicas
+        self.pipeline = _is_pipeline_engine(engine)
+        """DeepSpeed's pipeline engine (a PipelineModule): steps run through `train_batch`."""
+        if self.pipeline:
+            self.engine.pipeline_enable_backward_allreduce = False  # its ReduceGrads: the runtime's
         self._plan: Optional[StepPlan] = None
         self._done = 0
         self._loss_sum = 0.0
@@ -150,7 +160,7 @@ class MeCeFOEngine(DrivenHost):
         """The reduction overlapped with the last micro-batch's backward (ds_config
         "zero_optimization.overlap_comm"; data parallelism only: with T or P > 1 Megatron-Core's
         schedule runs the backward), or None."""
-        if overlap_bucket is not None and runtime.grid.tp * runtime.grid.pp == 1:
+        if overlap_bucket is not None and runtime.grid.tp * runtime.grid.pp == 1 and not self.pipeline:
             self.buckets = GradBuckets(engine.module.parameters(), runtime, bucket_numel=overlap_bucket)
 
     # -- what to run ------------------------------------------------------------------------------
@@ -220,6 +230,57 @@ class MeCeFOEngine(DrivenHost):
                                       after_forward=lambda i, output: self.driver.backward_point(output))
         return self._finish(sum(losses), len(mbs))
 
+    def train_batch(self, data_iter=None, lr_kwargs: Optional[Dict[str, Any]] = None) -> bool:
+        """One global step of DeepSpeed's pipeline engine, through its own schedule (TrainSchedule:
+        1F1B over the stages of this replica) running the plan's micro-batches (own, then adopted;
+        `data_iter` yields them in that order where the engine reads data). Each forward runs in its
+        micro-batch's covering mode; the schedule's ReduceGrads does nothing (the engine spans one
+        replica) and its OptimizerStep is the driver's finish: reduce across the replicas, commit,
+        and only then the engine's own optimizer step (clipping included). Every stage then holds
+        the job's loss (`engine.agg_train_loss`, broadcast from the last stage as DeepSpeed does).
+        `lr_kwargs`: for the scheduler's step, as `step(lr_kwargs=...)` takes them. DeepSpeed's schedule
+        passes none, and its scheduler fallback counts the engine's train_batch_size (one replica's
+        here; Megatron's scheduler wants the global batch: {"increment": ...}).
+        Returns True when an optimizer step was taken (False: redo the step)."""
+        import torch.distributed as dist
+        from deepspeed.runtime.pipe import schedule
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
+        e = self.engine
+        mbs = list(self.plan().micro_batches)
+        forwards = iter(mbs)
+        gas = e.gradient_accumulation_steps()  # the last stage's backward divides each loss by it
+        step_lr_kwargs = lr_kwargs
+
+        def forward_pass(eng, buffer_id):
+            with self.driver.forward(next(forwards)):
+                PipelineEngine._exec_forward_pass(eng, buffer_id)
+            self.driver.backward_point(eng.loss if eng.is_last_stage() else eng.pipe_buffers["outputs"][buffer_id])
+
+        def optimizer_step(eng, lr_kwargs=None):
+            last = eng.is_last_stage()
+            self._step_kwargs = {"lr_kwargs": step_lr_kwargs}
+            self.driver.finish(loss_sum=float(eng.total_loss) if last else 0.0, loss_count=len(mbs) if last else 0,
+                               micro_batches=len(mbs), averaged_over=gas)
+
+        def job_loss():  # instead of DeepSpeed's mean over this replica's micro-batches
+            loss = torch.tensor([self.driver.last_loss or 0.0], dtype=torch.float32, device=e.device)
+            if e.is_pipe_parallel:
+                dist.broadcast(loss, src=e.grid.stage_to_global(e.num_stages - 1), group=e.grid.get_pipe_parallel_group())
+            return loss[0]
+
+        e.micro_batches = len(mbs)
+        e._INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.ForwardPass: forward_pass,
+                              schedule.ReduceGrads: lambda eng: None, schedule.OptimizerStep: optimizer_step}
+        e._aggregate_total_loss = job_loss
+        try:
+            with self.driver.replica_collectives():
+                e.train_batch(data_iter)
+        finally:
+            del e._INSTRUCTION_MAP, e._aggregate_total_loss  # evaluation (eval_batch) runs DeepSpeed's own
+            e.micro_batches = gas
+        return self.driver.last_committed
+
     def step(self, **kwargs) -> bool:
         """After each micro-batch. At the plan's last one: reduce, commit, optimizer step.
 
@@ -242,6 +303,10 @@ class MeCeFOEngine(DrivenHost):
         return self.driver.finish(loss_sum=loss_sum, loss_count=ran, micro_batches=ran, reduced=reduced)
 
     def _optimizer_step(self):
+        if self.pipeline:  # DeepSpeed's OptimizerStep instruction (its step() refuses in pipeline mode)
+            from deepspeed.runtime.pipe.engine import PipelineEngine
+
+            return PipelineEngine._exec_optimizer_step(self.engine, **self._step_kwargs)
         return self.engine.step(**self._step_kwargs)
 
     def _clip(self) -> None:

@@ -144,7 +144,9 @@ class StepDriver:
 
     def backward_point(self, output: Any) -> None:
         """The "backward" injection point inside the backward of the micro-batch whose output this is
-        (for hosts whose schedule runs the backward)."""
+        (for hosts whose schedule runs the backward). A tuple's first tensor that requires grad."""
+        if isinstance(output, (tuple, list)):
+            output = next((t for t in output if isinstance(t, torch.Tensor) and t.requires_grad), None)
         if isinstance(output, torch.Tensor) and output.requires_grad:
             step, injector = self.runtime.step, self.runtime.injector
             output.register_hook(lambda grad: injector.maybe_fire(step, "backward"))

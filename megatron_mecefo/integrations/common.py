@@ -205,11 +205,15 @@ def keep_training_set(original: Callable, state: State, cache_dir: Callable[[], 
     """Upstream's `build_train_valid_test_datasets`: keep the training set, from which a covering
     rank draws a failed neighbour's micro-batches. Upstream builds missing index files on rank 0,
     and every replica's rank 0 is a rank 0 here: they take turns under a file lock in `cache_dir()`
-    (one machine; the later ones load what the first built)."""
+    (one machine; the later ones load what the first built). Only the replica's rank 0 takes the lock:
+    the others meet it in upstream's collectives after the build (over the pipeline stages too),
+    which a rank waiting for the lock would never reach."""
+    import torch.distributed as dist
+
     from megatron_mecefo.locks import file_lock
 
     def build_train_valid_test_datasets(*a, **kw):
-        cache = cache_dir() if state.active else None
+        cache = cache_dir() if state.active and dist.get_rank() == 0 else None
         with file_lock(os.path.join(cache, ".mecefo-build.lock")) if cache else contextlib.nullcontext():
             train_ds, valid_ds, test_ds = original(*a, **kw)
         if train_ds is not None:  # with virtual stages it is called per model chunk, built on some only

@@ -63,9 +63,6 @@ def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, world: int) -
 
     refuse([
         (not args.deepspeed, "--mecefo needs --deepspeed (Megatron's own optimizer and DDP are not supported)"),
-        (not args.no_pipeline_parallel,
-         "--mecefo needs --no-pipeline-parallel: DeepSpeed's pipeline engine (GPTModelPipe) is not supported "
-         "(its grid spans the data-parallel ranks and cannot be rebuilt around a failed rank)"),
         (getattr(args, "ds_sequence_parallel_size", 1) > 1,
          "--mecefo does not support DeepSpeed sequence parallelism (--ds-sequence-parallel-size)"),
         (getattr(args, "zero_stage", 0) == 3, "--mecefo does not support --zero-stage 3"),
@@ -83,8 +80,11 @@ def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, world: int) -
          "--mecefo does not support curriculum learning or random-LTD"),
         ("compression_training" in ds_config, '--mecefo does not support ds_config "compression_training"'),
         (getattr(args, "transformer_impl", "local") != "local", "--mecefo supports --transformer-impl local only"),
-        (args.pipeline_model_parallel_size != 1, "--mecefo supports --pipeline-model-parallel-size 1 only"),
+        (args.no_pipeline_parallel and args.pipeline_model_parallel_size != 1,
+         "--mecefo with --no-pipeline-parallel needs --pipeline-model-parallel-size 1: pipelines run in DeepSpeed's "
+         "pipeline engine (drop --no-pipeline-parallel)"),
         (args.virtual_pipeline_model_parallel_size is not None, "--mecefo does not support a virtual pipeline"),
+
     ] + shared_refusals(args))
     cfg.check_ds_config(ds_config)
     check_rules(cfg.inject, world)
@@ -111,12 +111,13 @@ def wrap_initialize_distributed(original: Callable) -> Callable:
 
         skip_cpu_shm_build()
         init_replica(STATE, cfg, backend="nccl" if torch.cuda.is_available() else "gloo",
-                     tensor_parallel=args.tensor_model_parallel_size, data_parallel=args.data_parallel_size)
+                     tensor_parallel=args.tensor_model_parallel_size, data_parallel=args.data_parallel_size,
+                     pipeline_parallel=args.pipeline_model_parallel_size)
         out = original(*a, **kw)
         from megatron.core import mpu
 
         if not mpu.model_parallel_is_initialized():  # upstream skips it when no device is counted
-            mpu.initialize_model_parallel(args.tensor_model_parallel_size, 1)
+            mpu.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
         return out
 
     return _initialize_distributed
@@ -169,14 +170,16 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         engine.global_steps = args.iteration  # upstream's counter of record; equal after a DeepSpeed load
+        pipeline = not args.no_pipeline_parallel  # DeepSpeed's pipeline engine (GPTModelPipe)
+        # legacy models load only their save format; a PipelineModule's state_dict is its save format
+        module_state = ((engine.module.state_dict, engine.module.load_state_dict) if pipeline else
+                        (engine.module.state_dict_for_save_checkpoint, engine.module.load_state_dict))
         STATE.driver = attach_runtime(engine, cfg, STATE.job, tensor_parallel=args.tensor_model_parallel_size,
-                                      pipeline_parallel=1, micro_batches=k, micro_batch_size=mb, backend=backend,
+                                      pipeline_parallel=args.pipeline_model_parallel_size, micro_batches=k, micro_batch_size=mb, backend=backend,
                                       train_iters=args.train_iters, save=save if args.save else None,
                                       sharded=sharded, save_dir=args.save, load_dir=args.load, clip_grad=clip,
                                       overlap_bucket=overlap,
-                                      extra_state=counters,
-                                      module_state=(engine.module.state_dict_for_save_checkpoint,
-                                                    engine.module.load_state_dict))
+                                      extra_state=counters, module_state=module_state)
         STATE.sharded = sharded
         if sharded and args.save:
             STATE.save_shards = lambda iteration: STATE.driver.save_shards(args.save)
@@ -225,25 +228,34 @@ def wrap_train_step(original: Callable) -> Callable:
         reads_data = mpu.get_tensor_model_parallel_rank() == 0  # the others receive it by broadcast
         if reads_data and STATE.train_ds is None:
             raise RuntimeError("MeCeFO has no training set: build_train_valid_test_datasets was not called")
-        engine.set_gradient_accumulation_boundary(True)  # step() runs once, after the plan's micro-batches
         consumed = args.consumed_train_samples
         increment = k * mbs * args.data_parallel_size  # the scheduler counts the whole global batch
 
+        def draw(mb):
+            return micro_batch(STATE.train_ds, consumed, mb.replica, mb.index, micro_batch_size=mbs, dp=STATE.dp)
+
         def one_pass(plan):
             for mb in engine.micro_batches():
-                it = iter([micro_batch(STATE.train_ds, consumed, mb.replica, mb.index, micro_batch_size=mbs,
-                                       dp=STATE.dp)]) if reads_data else None
-                output, loss_func = forward_step_func(it, engine)
+                output, loss_func = forward_step_func(iter([draw(mb)]) if reads_data else None, engine)
                 engine.backward(loss_func(output)[0])
                 engine.step(lr_kwargs={"increment": increment})
 
-        engine.driver.run(args.iteration, one_pass)  # a failed step is redone by the survivors
+        def one_pipeline_pass(plan):  # DeepSpeed's schedule; only its first and last stages read data
+            engine.train_batch((draw(mb) for mb in plan.micro_batches) if reads_data else None,
+                               lr_kwargs={"increment": increment})
+
+        if engine.pipeline:
+            engine.driver.run(args.iteration, one_pipeline_pass)
+            loss = engine.agg_train_loss.reshape(1).float()  # the job's loss, on every stage
+        else:
+            engine.set_gradient_accumulation_boundary(True)  # step() runs once, after the plan's micro-batches
+            engine.driver.run(args.iteration, one_pass)  # a failed step is redone by the survivors
+            loss = torch.tensor([engine.last_loss], dtype=torch.float32)
         # upstream's train() adds mpu's data-parallel size (1: the replica) x mbs x k; the rest of the
         # global batch was consumed too (by the other replicas, or by this one covering)
         rest = (STATE.dp - 1) * mbs * k
         args.consumed_train_samples += rest
         args.consumed_train_tokens += rest * args.seq_length
-        loss = torch.tensor([engine.last_loss], dtype=torch.float32)
         return {"lm loss": loss}, 0, None, None
 
     return train_step
@@ -261,9 +273,14 @@ def wrap_evaluate(original: Callable, training_module) -> Callable:
             return original(*a, **kw)
         per_replica = training_module.get_num_microbatches
         training_module.get_num_microbatches = lambda: per_replica() * STATE.dp
+        engine = STATE.driver.engine
+        if STATE.driver.pipeline:  # DeepSpeed's eval_batch runs engine.micro_batches
+            engine.micro_batches = per_replica() * STATE.dp
         try:
             return original(*a, **kw)
         finally:
             training_module.get_num_microbatches = per_replica
+            if STATE.driver.pipeline:
+                engine.micro_batches = per_replica()
 
     return evaluate
