@@ -190,12 +190,14 @@ def test_give_up_writes_upstream_checkpoint_and_load_resumes(mds_checkout, tmp_p
 
 def test_refused_setups_end_before_training(mds_checkout, tmp_path):
     """What MeCeFO cannot run ends with exit 2 and a message naming the flag, before training:
-    DeepSpeed's pipeline engine, and ZeRO stage 2 (which shards the gradients too)."""
+    a virtual pipeline, and ZeRO stage 2 (which shards the gradients too)."""
     root, data = mds_checkout
     args = mds.args(data, tmp_path / "ds.json", dp=1, extra=["--mecefo"])
-    pipe = mds.mecefo_launch(root, 1, [a for a in args if a != "--no-pipeline-parallel"], timeout=120)
+    virtual = [a for a in mds.resize(args, layers=3, hidden=64, seq=64) if a != "--no-pipeline-parallel"]
+    pipe = mds.mecefo_launch(root, 3, virtual + ["--pipeline-model-parallel-size", "3",
+                                                 "--num-layers-per-virtual-pipeline-stage", "1"], timeout=120)
     assert pipe.returncode == 2, pipe.stdout[-3000:]
-    assert "error: --mecefo needs --no-pipeline-parallel" in pipe.stdout
+    assert "error: --mecefo does not support a virtual pipeline" in pipe.stdout
     config = json.loads((tmp_path / "ds.json").read_text())
     config["zero_optimization"]["stage"] = 2
     (tmp_path / "ds.json").write_text(json.dumps(config))
@@ -217,3 +219,53 @@ def test_the_record_survives_the_lead(mds_checkout, tmp_path, phase):
     out = mds.mecefo_launch(root, 2, mds.args(data, tmp_path / "ds.json", dp=2, iters=8,
                                               extra=extra + ["--mecefo-inject", f"kill:0:4:{phase}"]))
     mds.assert_recorded_once(out, killed="rank 0: kill at step 4", iters=8, evaluations={5: 1, 8: 2})
+
+
+@pytest.mark.fault
+def test_pipeline_engine_absorbs_a_kill_a_rejoin_and_a_hung_lead(mds_checkout, tmp_path):
+    """DeepSpeed's pipeline engine (GPTModelPipe, tied embeddings), P = 2 x D = 2: a replica is its
+    two stages, and the engine's own schedule runs the plan's micro-batches inside it. With no
+    failure the losses and validation losses are the unpatched run's under torchrun (to 1e-5). The
+    last stage of replica 1 is SIGKILLed in the backward of step 4: its first stage leaves (exit 4),
+    replica 0 runs both replicas' micro-batches through its pipeline, and the restarted replica
+    rejoins after step 8. The lead's last stage (the rank that prints the losses) hangs in step 4:
+    its replica leaves and the other one prints every line once. With the approximations off the
+    losses are the fault-free ones throughout."""
+    root, data = mds_checkout
+    no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+    exact = no_dropout + ["--mecefo", "--no-mecefo-skip-attention", "--no-mecefo-lowrank-ffn",
+                          "--mecefo-recompute-ffn", "never", "--mecefo-log-param-hash"]
+
+    def args(extra):
+        flags = mds.args(data, tmp_path / "ds.json", dp=2, iters=12, extra=extra)
+        return [a for a in flags if a != "--no-pipeline-parallel"] + ["--pipeline-model-parallel-size", "2"]
+
+    upstream = mds.torchrun(root, 4, args(no_dropout), script="pretrain_gpt_upstream.py")
+    free = mds.mecefo_launch(root, 4, args(exact))
+    mds.assert_same_run(upstream, upstream, free, iters=12, evals=(5, 10))
+    want = mds.losses(upstream.stdout)
+    log_dir = tmp_path / "log"
+    killed = mds.mecefo_launch(root, 4, args(exact + [
+        "--mecefo-log-dir", str(log_dir), "--mecefo-inject", "kill:3:4", "--mecefo-inject", "hold:3:8",
+        "--mecefo-inject", "hold:1:8"]),  # the job waits for both ranks of the replica (its mate left too)
+        restart_after=1, timeout=300)
+    assert killed.returncode == 0, killed.stdout[-6000:]
+    assert "rank 1 (pid" in killed.stdout and "ended: exit code 4" in killed.stdout
+    assert "generation 1: members [0, 2], cover {1: 0}" in killed.stdout
+    for rank in (1, 3):
+        events = [json.loads(line) for line in (log_dir / f"events_rank{rank}.jsonl").read_text().splitlines()]
+        assert [e["step"] for e in events if e["event"] == "rejoined"] == [9]
+    got = mds.losses(killed.stdout)
+    assert sorted(got) == list(range(1, 13))
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    assert mds.consumed(killed.stdout)[12] == 12 * 4
+    mds.check_whole_and_identical(log_dir, dp=2, k=2, iters=12, pp=2)
+    hung = mds.mecefo_launch(root, 4, args(exact + [
+        "--mecefo-inject", "hang:2:4", "--mecefo-collective-timeout-s", "5", "--mecefo-agree-timeout-s", "20"]))
+    assert hung.returncode == 0, hung.stdout[-4000:]
+    assert "generation 1: members [1, 3], cover {0: 1}" in hung.stdout and "rank 2 is stopped (hung)" in hung.stdout
+    got = mds.losses(hung.stdout)  # each iteration once (losses() asserts it), all of them
+    assert sorted(got) == list(range(1, 13))
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it

@@ -80,10 +80,8 @@ def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, world: int) -
          "--mecefo does not support curriculum learning or random-LTD"),
         ("compression_training" in ds_config, '--mecefo does not support ds_config "compression_training"'),
         (getattr(args, "transformer_impl", "local") != "local", "--mecefo supports --transformer-impl local only"),
-        (args.no_pipeline_parallel and args.pipeline_model_parallel_size != 1,
-         "--mecefo with --no-pipeline-parallel needs --pipeline-model-parallel-size 1: pipelines run in DeepSpeed's "
-         "pipeline engine (drop --no-pipeline-parallel)"),
-        (args.virtual_pipeline_model_parallel_size is not None, "--mecefo does not support a virtual pipeline"),
+        (args.virtual_pipeline_model_parallel_size is not None,
+         "--mecefo does not support a virtual pipeline (--num-layers-per-virtual-pipeline-stage)"),
 
     ] + shared_refusals(args))
     cfg.check_ds_config(ds_config)
