@@ -8,6 +8,7 @@ the machine's noise hits both alike. Reads upstream's log lines: the time per it
 over the logged intervals, the first left out as warm-up) and the final validation loss.
 
     python benchmarks/mds_overhead.py          # ~6 min on 2 cores: benchmarks/results/mds_overhead.{json,png}
+    python benchmarks/mds_overhead.py --pp 2 --ranks 4   # D=2 x P=2, DeepSpeed's pipeline engine: mds_overhead_pp2.*
 
 Needs the "mds" extra (scripts/test.sh installs it into .venv/mds-deps; or pip install -e .[mds]).
 """
@@ -32,8 +33,11 @@ _ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
 def model_args(data: Path, ds: Path, a) -> list:
-    return mds.resize(mds.args(data, ds, dp=a.ranks, iters=a.iters, micro_batches=a.micro_batches, extra=[
+    args = mds.resize(mds.args(data, ds, dp=a.ranks // a.pp, iters=a.iters, micro_batches=a.micro_batches, extra=[
         "--log-interval", "10", "--eval-interval", str(a.iters), "--eval-iters", "2"]), layers=4, hidden=a.hidden, seq=a.seq)
+    if a.pp > 1:  # DeepSpeed's pipeline engine (GPTModelPipe), as Megatron-DeepSpeed's GPT recipes run
+        args = [x for x in args if x != "--no-pipeline-parallel"] + ["--pipeline-model-parallel-size", str(a.pp)]
+    return args
 
 
 def measure(out: str) -> float:
@@ -49,8 +53,10 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mds_overhead"))
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages per replica (DeepSpeed's pipeline engine)")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/mds_overhead[_pp2]")
     a = p.parse_args()
+    a.out = a.out or str(ROOT / "benchmarks" / "results" / ("mds_overhead" + (f"_pp{a.pp}" if a.pp > 1 else "")))
     if not os.environ.get("MECEFO_MDS_DEPS"):
         os.environ["MECEFO_MDS_DEPS"] = str(ROOT / ".venv" / "mds-deps")
     with tempfile.TemporaryDirectory() as tmp:
@@ -77,7 +83,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     result = {
         "what": "Megatron-DeepSpeed 4efb479 pretrain_gpt.py: unpatched under torchrun vs patched with --mecefo under "
-                "mecefo-launch, no failure; time per iteration (median of logged intervals)",
+                "mecefo-launch, no failure; time per iteration (median of logged intervals); "
+                f"{a.pp} pipeline stage(s) per replica" + (" (DeepSpeed's pipeline engine)" if a.pp > 1 else ""),
         "config": vars(a), "runs": runs,
         "ratio_median": statistics.median(r["ratio"] for r in runs),
         "val_loss_rel_diff_max": max(abs(r["mecefo_val"] - r["unpatched_val"]) / r["unpatched_val"] for r in runs),
@@ -94,7 +101,7 @@ def main() -> None:
     ax.bar([x + 0.2 for x in xs], [r["mecefo_ms"] for r in runs], 0.4, label="patched, --mecefo (mecefo-launch)")
     ax.set_xticks(list(xs), [f"repeat {r['repeat']}\n×{r['ratio']:.3f}" for r in runs])
     ax.set_ylabel("ms per iteration")
-    ax.set_title(f"Megatron-DeepSpeed, {a.ranks} ranks, no failure: median ×{result['ratio_median']:.3f}")
+    ax.set_title(f"Megatron-DeepSpeed, {a.ranks} ranks, P = {a.pp}, no failure: median ×{result['ratio_median']:.3f}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(a.out + ".png", dpi=120)

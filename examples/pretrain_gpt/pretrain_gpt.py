@@ -64,6 +64,8 @@ def parse_args(argv=None):
     a("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm"); a("--swiglu", action="store_true")
     a("--disable-bias-linear", action="store_true")
     a("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    a("--share-embeddings-and-output-weights", action="store_true",
+      help="tie the output layer to the input embedding (Megatron-LM's default; this example unties them unless set)")
     a("--hidden-dropout", type=float, default=0.0); a("--attention-dropout", type=float, default=0.0)
     a("--tensor-model-parallel-size", type=int, default=1); a("--pipeline-model-parallel-size", type=int, default=1)
     a("--sequence-parallel", action="store_true", help="Megatron's sequence parallelism (needs --tensor-model-parallel-size > 1)")
@@ -181,7 +183,8 @@ def build_model(args):
         dtype=torch.bfloat16 if args.bf16 else torch.float32, sequence_parallel=args.sequence_parallel,
     )
     return build_gpt(config, vocab_size=vocab, seq_length=args.max_position_embeddings, seed=args.seed,
-                     position_embedding_type=args.position_embedding_type)
+                     position_embedding_type=args.position_embedding_type,
+                     share_embeddings_and_output_weights=args.share_embeddings_and_output_weights)
 
 
 def lm_loss(engine, batch):
@@ -303,7 +306,7 @@ def main(argv=None):
             from megatron_mecefo.deepspeed_hook import load_checkpoint
 
             load_checkpoint(engine, args.load)
-    from megatron_mecefo.deepspeed_hook.schedule import clip_grad_norm, forward_backward
+    from megatron_mecefo.deepspeed_hook.schedule import clip_grad_norm, forward_backward, reduce_tied_embeddings
     from megatron_mecefo.elastic.topology import Grid
 
     grid = Grid(tp=tp, pp=pp, dp=dp)
@@ -330,6 +333,7 @@ def main(argv=None):
             losses = forward_backward(engine.module, forward_step, (batch_of(it, my_replica, j) for j in range(k)),
                                       num_microbatches=k, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                                       sum_gradients=False)
+            reduce_tied_embeddings(engine.module)
             engine.set_gradient_accumulation_boundary(True)  # the schedule's backward bypassed engine.backward
             engine.allreduce_gradients()
             clip_grad_norm(engine.module, clip)

@@ -219,7 +219,7 @@ class MeCeFOEngine(DrivenHost):
             forward_step_func: Megatron's `(data_iterator, model) -> (output, loss_func)`.
             batch_of: MicroBatch -> the item `data_iterator` yields for it (every stage gets one).
         """
-        from megatron_mecefo.deepspeed_hook.schedule import forward_backward
+        from megatron_mecefo.deepspeed_hook.schedule import forward_backward, reduce_tied_embeddings
 
         mbs = list(self.plan().micro_batches)
         with self.driver.replica_collectives():
@@ -228,6 +228,7 @@ class MeCeFOEngine(DrivenHost):
                                       micro_batch_size=self.micro_batch_size,
                                       before_forward=lambda i: self.driver.forward(mbs[i]),
                                       after_forward=lambda i, output: self.driver.backward_point(output))
+            reduce_tied_embeddings(self.engine.module)  # inside the replica, before the runtime's reduction
         return self._finish(sum(losses), len(mbs))
 
     def train_batch(self, data_iter=None, lr_kwargs: Optional[Dict[str, Any]] = None) -> bool:
@@ -381,10 +382,6 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
                            heartbeat_timeout_s=cfg.heartbeat_timeout_s, log_dir=cfg.log_dir,
                            restart_failed_after=cfg.restart_failed_after, max_restarts=cfg.max_restarts, store=cfg.store)
     os.environ.setdefault("LOCAL_RANK", "0")  # deepspeed.initialize asserts on it
-    if pp > 1 and getattr(model, "share_embeddings_and_output_weights", False):
-        raise ValueError("tied input and output embeddings (share_embeddings_and_output_weights) with pipeline "
-                         "parallelism are not supported with MeCeFO yet: untie them (Megatron: "
-                         "--untie-embeddings-and-output-weights)")
     ds_config, k, mb = replica_ds_config(config, job.world // (tp * pp))
     sharded = cfg.enable and zero_stage(config) == 1
     if sharded and bf16_parameters(ds_config):

@@ -21,7 +21,7 @@ from typing import Any, Callable, ContextManager, Iterable, List, Optional
 
 import torch
 
-__all__ = ["forward_backward", "clip_grad_norm"]
+__all__ = ["forward_backward", "reduce_tied_embeddings", "clip_grad_norm"]
 
 
 def forward_backward(model: torch.nn.Module, forward_step_func: Callable, batches: Iterable[Any], *,
@@ -73,6 +73,22 @@ def forward_backward(model: torch.nn.Module, forward_step_func: Callable, batche
     return losses
 
 
+def reduce_tied_embeddings(model: torch.nn.Module) -> None:
+    """Sum the gradients of a tied input/output embedding over its two copies (the first and the
+    last pipeline stage of the replica), as Megatron-Core's finalize_model_grads does: both then
+    take the same update. Every rank of the replica calls it; a no-op without tying or with P = 1."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if (not getattr(model, "share_embeddings_and_output_weights", False) or not ps.model_parallel_is_initialized()
+            or ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group(ignore_virtual=True)):
+        return
+    weight = model.shared_embedding_or_output_weight()
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+
+
 def clip_grad_norm(model: torch.nn.Module, max_norm: float,
                    grad_norm_sq: Optional[Callable[[torch.nn.Parameter], Optional[float]]] = None,
                    scale: Optional[Callable[[float], None]] = None) -> float:
@@ -90,7 +106,10 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float,
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     params = [p for p in model.parameters() if p.grad is not None]
-    counted = [p for p in params if param_is_not_tensor_parallel_duplicate(p)]
+    # each parameter once: not a tensor-parallel duplicate, not the copy of a tied weight on another
+    # pipeline stage (DeepSpeed's `ds_pipe_replicated`, Megatron's `shared`)
+    counted = [p for p in params if param_is_not_tensor_parallel_duplicate(p)
+               and not getattr(p, "ds_pipe_replicated", False) and not getattr(p, "shared", False)]
     device = params[0].grad.device if params else torch.device("cpu")
     if grad_norm_sq is not None:
         square = torch.tensor([sum(grad_norm_sq(p) for p in counted)], dtype=torch.float32, device=device)

@@ -1,6 +1,6 @@
 """Run Megatron-Core on a machine without CUDA (CI, laptops): three documented redirections.
 
-megatron-core 0.16 assumes CUDA in five places that a CPU/gloo run reaches:
+megatron-core 0.16 assumes CUDA in six places that a CPU/gloo run reaches:
 
 1. `torch.cuda.current_device()` is used as a device for buffers (rotary embeddings, attention's
    global memory buffer, tensor-parallel gathers) -> return the CPU device.
@@ -11,6 +11,9 @@ megatron-core 0.16 assumes CUDA in five places that a CPU/gloo run reaches:
    same mask on CPU.
 5. The pipeline schedules allocate their token counter with `device="cuda"` -> the schedules
    module sees a `torch` whose `zeros` puts "cuda" tensors on the CPU (everything else is torch's).
+6. Tied embeddings with pipeline parallelism: the model moves the last stage's copy with
+   `.cuda()` before summing it with the first stage's -> `Tensor.cuda` returns the tensor itself
+   while that method (`LanguageModule.setup_embeddings_and_output_layer`) runs.
 
 `enable_cpu_support()` applies them only when CUDA is absent and is idempotent; on a GPU machine it
 does nothing, so calling it unconditionally is safe. It does not make fused kernels, sequence
@@ -87,6 +90,19 @@ class CPURNGStatesTracker(_tracker_base()):
             torch.set_rng_state(orig)
 
 
+def _tensor_stays_on_cpu(method):
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    return run
+
+
 def enable_cpu_support() -> bool:
     """Apply the CPU redirections if CUDA is unavailable. Returns True when they are in effect."""
     global _ENABLED
@@ -95,6 +111,7 @@ def enable_cpu_support() -> bool:
     if _ENABLED:
         return True
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import utils as mcore_utils
@@ -106,6 +123,8 @@ def enable_cpu_support() -> bool:
     mcore_utils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
     schedules.torch = _CPUTorch()
+    LanguageModule.setup_embeddings_and_output_layer = _tensor_stays_on_cpu(
+        LanguageModule.setup_embeddings_and_output_layer)
     _ENABLED = True
     logger.info("megatron_mecefo: CUDA absent; Megatron-Core redirected to CPU")
     return True

@@ -91,10 +91,12 @@ def build_gpt(
     spec: Optional[ModuleSpec] = None,
     seed: int = 0,
     position_embedding_type: str = "rope",
+    share_embeddings_and_output_weights: bool = False,
 ) -> GPTModel:
     """A GPTModel with `spec` (default: the MeCeFO spec for config.normalization), seeded. With
     pipeline parallelism, this rank's stage (its layers; the embedding on the first, the output
-    layer and loss on the last)."""
+    layer and loss on the last; a tied output layer's copy on the last stage starts as the first
+    stage's embedding, and `deepspeed_hook.schedule.reduce_tied_embeddings` keeps them equal)."""
     if spec is None:
         spec = get_gpt_layer_mecefo_spec(normalization=config.normalization)
     torch.manual_seed(seed)  # CPU initialisation draws from the default generator
@@ -104,6 +106,7 @@ def build_gpt(
         vocab_size=vocab_size,
         max_sequence_length=seq_length,
         position_embedding_type=position_embedding_type,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         pre_process=parallel_state.is_pipeline_first_stage() if parallel_state.model_parallel_is_initialized() else True,
         post_process=parallel_state.is_pipeline_last_stage() if parallel_state.model_parallel_is_initialized() else True,
     )

@@ -56,7 +56,8 @@ def regroups(tmp_path, world):
 @pytest.mark.parametrize("layout, victim, mate, phase", [
     (["--tensor-model-parallel-size", "2"], 2, 3, "forward"),     # replica 1 = ranks 2, 3 (tp 0, 1)
     (["--pipeline-model-parallel-size", "2"], 3, 1, "backward"),  # replica 1 = ranks 1 (stage 0), 3 (stage 1)
-], ids=["tp2", "pp2"])
+    (["--pipeline-model-parallel-size", "2", "--share-embeddings-and-output-weights"], 3, 1, "backward"),
+], ids=["tp2", "pp2", "pp2-tied"])
 def test_a_killed_rank_retires_its_replica_which_rejoins_whole(tmp_path, layout, victim, mate, phase):
     """D=2: one rank of replica 1 is SIGKILLed mid-step. Its replica mate leaves, replica 0 covers
     replica 1's micro-batches on every stage, both ranks are restarted and replica 1 is admitted
@@ -64,8 +65,11 @@ def test_a_killed_rank_retires_its_replica_which_rejoins_whole(tmp_path, layout,
     bit-identical per position before the failure, while covering, and after the rejoin. With every
     approximation off, the fold is exact through the loss, the covering and the rejoin: the
     validation losses are those of plain DeepSpeed + Megatron-Core on the same layout; and so are
-    those of --mecefo without a failure (approximations on: no healthy micro-batch runs covered)."""
+    those of --mecefo without a failure (approximations on: no healthy micro-batch runs covered).
+    Tied embeddings with P = 2: the first stage's embedding and the last stage's output layer are
+    still equal in the checkpoint at the end (their gradients summed inside the replica each step)."""
     grid_args = dict(tp=2) if "--tensor-model-parallel-size" in layout else dict(pp=2)
+    tied = "--share-embeddings-and-output-weights" in layout
     common = ["--global-batch-size", "8", "--train-iters", "20", "--eval-interval", "10", "--log-interval", "10"]
     plain = valid_loss(launch(tmp_path / "plain", 4, layout, *common).stdout)
     mecefo = valid_loss(launch(tmp_path / "mecefo", 4, layout, *common, "--mecefo").stdout)
@@ -74,8 +78,15 @@ def test_a_killed_rank_retires_its_replica_which_rejoins_whole(tmp_path, layout,
     # the job holds at step 14 until both ranks of replica 1 are back (whatever a restart takes)
     faults = (Fault("kill", victim, 8, phase), Fault("hold", victim, 14, "forward", 1), Fault("hold", mate, 14, "forward", 1))
     schedule = Schedule(0, 4, 20, faults, 1.0, **grid_args)
-    proc = chaos_run(tmp_path, schedule, layout, 8, *EXACT, restart_after=1, eval_interval=10)
+    save = ["--save", str(tmp_path / "ckpt")] if tied else []
+    proc = chaos_run(tmp_path, schedule, layout, 8, *EXACT, *save, restart_after=1, eval_interval=10)
     assert valid_loss(proc.stdout) == pytest.approx(plain, rel=1e-5)
+    if tied:
+        import torch
+
+        stages = [torch.load(tmp_path / "ckpt" / "global_step20" / f"mp_rank_0{s}_model_states.pt",
+                             weights_only=False)["module"] for s in (0, 1)]
+        assert torch.equal(stages[0]["embedding.word_embeddings.weight"], stages[1]["output_layer.weight"])
     assert "cover 1->0" in proc.stdout
     assert f"rank {mate} (pid" in proc.stderr and "incarnation 1" in proc.stderr
     groups = regroups(tmp_path, 4)
