@@ -229,15 +229,17 @@ def test_pipeline_engine_absorbs_a_kill_a_rejoin_and_a_hung_lead(mds_checkout, t
     last stage of replica 1 is SIGKILLed in the backward of step 4: its first stage leaves (exit 4),
     replica 0 runs both replicas' micro-batches through its pipeline, and the restarted replica
     rejoins after step 8. The lead's last stage (the rank that prints the losses) hangs in step 4:
-    its replica leaves and the other one prints every line once. With the approximations off the
-    losses are the fault-free ones throughout."""
+    its replica leaves and the other one prints every line once. With ds_config stage 1 (the optimizer
+    state sharded over the replicas per stage) and the last stage of replica 1 killed after step 4's
+    commit, the losses are the same. With the approximations off the losses are the fault-free ones
+    throughout."""
     root, data = mds_checkout
     no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
     exact = no_dropout + ["--mecefo", "--no-mecefo-skip-attention", "--no-mecefo-lowrank-ffn",
                           "--mecefo-recompute-ffn", "never", "--mecefo-log-param-hash"]
 
-    def args(extra):
-        flags = mds.args(data, tmp_path / "ds.json", dp=2, iters=12, extra=extra)
+    def args(extra, zero_stage=0):
+        flags = mds.args(data, tmp_path / "ds.json", dp=2, iters=12, extra=extra, zero_stage=zero_stage)
         return [a for a in flags if a != "--no-pipeline-parallel"] + ["--pipeline-model-parallel-size", "2"]
 
     upstream = mds.torchrun(root, 4, args(no_dropout), script="pretrain_gpt_upstream.py")
@@ -269,3 +271,12 @@ def test_pipeline_engine_absorbs_a_kill_a_rejoin_and_a_hung_lead(mds_checkout, t
     assert sorted(got) == list(range(1, 13))
     for it in want:
         assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    sharded = mds.mecefo_launch(root, 4, args(exact + ["--mecefo-log-dir", str(tmp_path / "sharded"),
+                                                       "--mecefo-inject", "kill:3:4:optimizer"], zero_stage=1))
+    assert sharded.returncode == 0, sharded.stdout[-4000:]
+    assert "generation 1: members [0, 2], cover {1: 0}" in sharded.stdout
+    got = mds.losses(sharded.stdout)
+    assert sorted(got) == list(range(1, 13))
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    mds.check_whole_and_identical(tmp_path / "sharded", dp=2, k=2, iters=12, pp=2)
