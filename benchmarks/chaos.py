@@ -1,7 +1,9 @@
 """Chaos benchmark: many seeded random failure schedules against the toy runtime job and against
 examples/pretrain_gpt, each checked against the invariants of megatron_mecefo.elastic.chaos.
 
-    python benchmarks/chaos.py                       # 200 toy + 20 pretrain_gpt + 10 layout + 40 sharded (~1.3 h)
+    python benchmarks/chaos.py                       # 200 toy + 20 pretrain_gpt + 10 layout + 40 sharded
+                                                     # + 10 checkout schedules (~1.6 h)
+    python benchmarks/chaos.py --toy 0 --pretrain 0 --layouts 0 --sharded 0   # the checkouts only
     python benchmarks/chaos.py --toy 20 --pretrain 2 # a quick look
     python benchmarks/chaos.py --toy-seeds 17 42 --pretrain 0   # rerun given seeds (a kind with no
                                                      # schedules keeps its results in the JSON)
@@ -14,6 +16,9 @@ examples/pretrain_gpt on 4 ranks as D=2 x T=2 (even seeds) and D=2 x P=2 (odd se
 runs the toy job with its Adam state sharded over the live replicas (ZeRO-1, neighbour copies): on
 top of the toy's invariants, every element of the state is held by a finished rank and equals the
 fault-free run's, or the job gave up cleanly (a shard whose owner and copy holder failed together).
+"checkouts" runs upstream's own pretrain_gpt.py in patched snapshots (../shared/upstream) as
+D=2 x P=2: Megatron-DeepSpeed with DeepSpeed's pipeline engine (even seeds) and Megatron-LM with
+its 1F1B schedule (odd seeds), each for 40 steps.
 """
 
 from __future__ import annotations
@@ -47,17 +52,24 @@ def layout_schedule(seed: int, world: int, steps: int) -> chaos.Schedule:
 
 def run_many(kind: str, seeds, work: Path, world_of, steps: int) -> dict:
     refs = {}
+    checkouts = chaos_util.Checkouts(work / "checkouts") if kind == "checkouts" else None
     summary = {"schedules": 0, "finished": 0, "gave_up_cleanly": 0, "violations": 0, "faults_fired": 0,
                "rejoins": 0, "slowest_recovery_s": 0.0, "slowest_run_s": 0.0, "failures": []}
     for seed in seeds:
         world = world_of(seed)
-        schedule = (layout_schedule if kind == "layouts" else chaos.random_schedule)(seed, world, steps)
+        schedule = chaos.random_schedule(seed, world, steps)
+        if kind == "layouts":
+            schedule = layout_schedule(seed, world, steps)
+        elif kind == "checkouts":
+            schedule = dataclasses.replace(schedule, pp=2)
         out = work / f"{kind}-{seed}"
         shutil.rmtree(out, ignore_errors=True)
         if kind in ("toy", "sharded"):
             if world not in refs:
                 refs[world] = chaos_util.toy_reference(work / f"ref{world}", world)
             outcome, bad, result = chaos_util.run_toy(schedule, out, refs[world], sharded=kind == "sharded")
+        elif kind == "checkouts":
+            outcome, bad, result = chaos_util.run_checkout(schedule, out, checkouts, "mds" if seed % 2 == 0 else "mlm")
         else:
             outcome, bad, result = chaos_util.run_pretrain(schedule, out)
         summary["schedules"] += 1
@@ -91,6 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("--layout-seeds", type=int, nargs="*", default=None)
     p.add_argument("--sharded", type=int, default=40, help="sharded toy schedules (seeds 1000..1000+N-1)")
     p.add_argument("--sharded-seeds", type=int, nargs="*", default=None)
+    p.add_argument("--checkouts", type=int, default=10, help="schedules on the patched checkouts (seeds 2000..)")
+    p.add_argument("--checkout-seeds", type=int, nargs="*", default=None)
     p.add_argument("--pretrain-steps", type=int, default=150)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chaos.json")
     args = p.parse_args(argv)
@@ -98,6 +112,7 @@ def main(argv=None) -> int:
     pre_seeds = args.pretrain_seeds if args.pretrain_seeds is not None else range(args.pretrain)
     layout_seeds = args.layout_seeds if args.layout_seeds is not None else range(args.layouts)
     sharded_seeds = args.sharded_seeds if args.sharded_seeds is not None else range(1000, 1000 + args.sharded)
+    checkout_seeds = args.checkout_seeds if args.checkout_seeds is not None else range(2000, 2000 + args.checkouts)
     t0 = time.monotonic()
     # a kind run with 0 schedules keeps its results from an earlier run (to rerun one kind only)
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
@@ -137,10 +152,26 @@ def main(argv=None) -> int:
                                               "wall_s": round(time.monotonic() - t3, 1)}
         else:
             results["sharded"] = old["sharded"]
+        t4 = time.monotonic()
+        if len(checkout_seeds) or "checkouts" not in old:
+            import os
+
+            os.environ.setdefault("MECEFO_UPSTREAM_DIR", str(ROOT.parent / "shared" / "upstream"))
+            os.environ.setdefault("MECEFO_MDS_DEPS", str(ROOT / ".venv" / "mds-deps"))
+            os.environ.setdefault("MECEFO_MLM_DEPS", str(ROOT / ".venv" / "mlm-deps"))
+            results["checkouts"] = run_many("checkouts", checkout_seeds, work, lambda s: 4, chaos_util.CHECKOUT_STEPS)
+            results["settings"]["checkouts"] = {
+                "steps": chaos_util.CHECKOUT_STEPS, "ranks": 4,
+                "layout": "D=2 x P=2: Megatron-DeepSpeed 4efb479, DeepSpeed's pipeline engine (even seeds); "
+                          "Megatron-LM core_v0.16.1, 1F1B (odd seeds)",
+                **chaos_util.PRETRAIN_TIMEOUTS, "approximations": "on (defaults, --mecefo-rank 16)",
+                "wall_s": round(time.monotonic() - t4, 1)}
+        else:
+            results["checkouts"] = old["checkouts"]
     results["settings"].pop("wall_s", None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    total = sum(results[kind]["violations"] for kind in ("toy", "pretrain_gpt", "layouts", "sharded"))
+    total = sum(results[kind]["violations"] for kind in ("toy", "pretrain_gpt", "layouts", "sharded", "checkouts"))
     print(json.dumps({k: {x: v for x, v in r.items() if x != "failures"} for k, r in results.items() if k != "settings"},
                      indent=2))
     print(f"wrote {args.out}")

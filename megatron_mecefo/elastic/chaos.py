@@ -142,7 +142,8 @@ class RunResult:
 
 
 def run_schedule(schedule: Schedule, script: Sequence[str], out: Path, *, limit_s: float,
-                 launcher_args: Sequence[str] = (), cwd: Optional[str] = None) -> RunResult:
+                 launcher_args: Sequence[str] = (), cwd: Optional[str] = None,
+                 env: Optional[Dict[str, str]] = None) -> RunResult:
     """Run `script` (path + its arguments) under mecefo-launch with the schedule's faults.
 
     The launcher runs in its own session; past `limit_s` the whole process group is killed and the
@@ -153,7 +154,7 @@ def run_schedule(schedule: Schedule, script: Sequence[str], out: Path, *, limit_
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with open(out / "launcher.out", "w") as fo, open(out / "launcher.err", "w") as fe:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=fo, stderr=fe, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fo, stderr=fe, start_new_session=True)
         try:
             code: Optional[int] = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:

@@ -1,4 +1,5 @@
-"""Running chaos schedules against the toy runtime job and examples/pretrain_gpt (tests + benchmark).
+"""Running chaos schedules against the toy runtime job, examples/pretrain_gpt and the patched
+upstream checkouts (tests + benchmark).
 
 The toy job runs MeCeFO's runtime with the approximations off, so a run
 that finishes must also equal the fault-free reference (`megatron_mecefo/testing/toy_train.py --reference`).
@@ -7,6 +8,7 @@ that finishes must also equal the fault-free reference (`megatron_mecefo/testing
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import List, Optional
 
@@ -129,4 +131,67 @@ def run_pretrain(schedule: chaos.Schedule, out: Path, *, fault_free_s: float = 6
     if outcome == "finished":
         if f"validation loss at iteration {schedule.steps} " not in result.stdout:
             bad.append("finished without the final validation loss")
+    return ("failed" if bad else outcome), bad, result
+
+
+# -- the patched checkouts ---------------------------------------------------------------------------
+
+CHECKOUT_STEPS = 40
+
+
+class Checkouts:
+    """Patched Megatron-DeepSpeed and Megatron-LM snapshots under `work`, each extracted on first use."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self._roots: dict = {}
+
+    def root(self, host: str) -> tuple:
+        """(checkout, dataset prefix or None) of host "mds" or "mlm"."""
+        if host not in self._roots:
+            from megatron_mecefo import patch
+            from megatron_mecefo.testing import mds, mlm
+
+            if host == "mds":
+                root = mds.extract(mds.SNAPSHOT_GLOB, self.work / "mds" / "Megatron-DeepSpeed")
+                patch.apply(str(root))
+                data = root.parent / "data" / "corpus_text_document"
+                data.parent.mkdir()
+                mds.write_dataset(root, data)
+                self._roots[host] = (root, data)
+            else:
+                root = mds.extract(mlm.SNAPSHOT_GLOB, self.work / "mlm" / "Megatron-LM")
+                patch.apply(str(root))
+                mlm.prepare(root)
+                self._roots[host] = (root, None)
+        return self._roots[host]
+
+
+def run_checkout(schedule: chaos.Schedule, out: Path, checkouts: Checkouts, host: str, *,
+                 fault_free_s: float = 60.0) -> tuple:
+    """Run one schedule on upstream's own pretrain_gpt.py in a patched checkout ("mds": DeepSpeed's
+    pipeline engine; "mlm": upstream's schedules), 2 micro-batches per replica, on the schedule's
+    layout, with the default approximations."""
+    from megatron_mecefo.testing import mds, mlm
+
+    root, data = checkouts.root(host)
+    out.mkdir(parents=True, exist_ok=True)
+    flags = ["--mecefo", "--mecefo-rank", "16", "--mecefo-log-param-hash", "--mecefo-log-dir", str(out),
+             "--save", str(out / "ckpt"), "--save-interval", str(schedule.steps), "--log-interval", "10",
+             "--eval-interval", str(schedule.steps),
+             "--tensor-model-parallel-size", str(schedule.tp), "--pipeline-model-parallel-size", str(schedule.pp),
+             *timeout_flags(PRETRAIN_TIMEOUTS)]
+    if host == "mds":
+        args = [a for a in mds.args(data, out / "ds.json", dp=schedule.grid.dp, iters=schedule.steps, extra=flags)
+                if a != "--no-pipeline-parallel" or schedule.pp == 1]
+        env = mds.env()
+    else:
+        args, env = mlm.args(dp=schedule.grid.dp, iters=schedule.steps, extra=flags), mlm.env()
+    bound = chaos.time_bound(faults=len(schedule.faults), restart_after=schedule.restart_after, startup_s=30.0,
+                             fault_free_s=fault_free_s,
+                             **{k_: v for k_, v in PRETRAIN_TIMEOUTS.items() if k_ != "heartbeat_interval_s"})
+    result = chaos.run_schedule(schedule, ["pretrain_gpt.py", *args], out, limit_s=bound + 60, cwd=str(root), env=env)
+    outcome, bad = chaos.check_run(result, out, schedule, k=2, bound_s=bound)
+    if outcome == "finished" and not re.search(rf"iteration\s+{schedule.steps}/\s*{schedule.steps} ", result.stdout):
+        bad.append(f"finished without iteration {schedule.steps}'s log line")
     return ("failed" if bad else outcome), bad, result
