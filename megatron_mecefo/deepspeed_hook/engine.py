@@ -48,7 +48,7 @@ import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.deepspeed_hook.checkpoint import load_checkpoint, restrict_checkpoint_loading, save_checkpoint
-from megatron_mecefo.elastic.bootstrap import init_distributed, param_digest
+from megatron_mecefo.elastic.bootstrap import init_distributed, param_digest, replica_groups_time_out
 from megatron_mecefo.elastic.buckets import GradBuckets
 from megatron_mecefo.elastic.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
@@ -118,6 +118,18 @@ def overlap_bucket(ds_config: Dict[str, Any]) -> Optional[int]:
 
 def zero_stage(ds_config: Dict[str, Any]) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def pipeline_sends_in_groups() -> None:
+    """DeepSpeed's pipeline engine sends and receives activations with `send`/`recv` on the default
+    group, whose gloo receive waits out the timeout the group was created with (start-up's, long).
+    Its other path (DeepSpeed's own, for torch < 1.8) broadcasts over a two-rank group per pair of
+    adjacent stages; those groups take the collective timeout once the rank trains
+    (`replica_groups_time_out`), so a hung stage fails its neighbour in time. Call before the
+    engine is built."""
+    from deepspeed.runtime.pipe import p2p
+
+    p2p.can_send_recv = lambda: False
 
 
 def _is_pipeline_engine(engine) -> bool:
@@ -473,5 +485,6 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
     step = runtime.start(engine.global_steps)
     if step != engine.global_steps:
         raise RuntimeError(f"runtime step {step} != engine step {engine.global_steps}")
+    replica_groups_time_out(cfg.collective_timeout_s)  # DeepSpeed's and Megatron-DeepSpeed's groups too
     return MeCeFOEngine(engine, runtime, cfg, micro_batch_size, clip_grad=clip_grad, overlap_bucket=overlap_bucket)
 

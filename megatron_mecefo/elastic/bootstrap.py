@@ -96,6 +96,21 @@ def init_distributed(backend: str = "gloo", tensor_parallel: int = 1, pipeline_p
     return env
 
 
+def replica_groups_time_out(timeout_s: float) -> None:
+    """Every torch process group of this replica times out after `timeout_s` from now on. The
+    default group waits out the replicas' start-up skew (`init_distributed`: one replica builds the
+    dataset indexes while the others wait for its lock), and upstream code creates groups inside a
+    replica without a timeout (Megatron-DeepSpeed's parallel_state; DeepSpeed's pipeline engine
+    sends and receives on the default group): torch's default is 30 minutes for gloo. Once the rank
+    trains, a rank hung in any of them must fail its mates' collectives within the collective
+    timeout (they then leave with the replica). The runtime's own groups are not torch's."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        if not c10d._rank_not_in_group(group):
+            c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+
+
 def replica_grid(world: int, tensor_parallel: int, pipeline_parallel: int) -> Grid:
     """The job's (tp, pp, dp) grid. Raises ValueError when the world does not divide."""
     if tensor_parallel < 1 or pipeline_parallel < 1 or world % (tensor_parallel * pipeline_parallel):

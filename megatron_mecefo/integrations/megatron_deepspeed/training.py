@@ -130,7 +130,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         from megatron import get_args, get_num_microbatches
 
         from megatron_mecefo.deepspeed_hook.engine import (attach_runtime, engine_clipping, overlap_bucket,
-                                                           replica_ds_config, zero_stage)
+                                                           pipeline_sends_in_groups, replica_ds_config, zero_stage)
         from megatron_mecefo.integrations.megatron_deepspeed.layers import wrap_model
 
         args, cfg = get_args(), STATE.cfg
@@ -154,6 +154,9 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
             with usage_errors():
                 return wrap_model(model_provider_func(*pa, **pk), cfg.rank if cfg.lowrank_ffn else None)
 
+        pipeline = not args.no_pipeline_parallel  # DeepSpeed's pipeline engine (GPTModelPipe)
+        if pipeline:
+            pipeline_sends_in_groups()
         model, optimizer, scheduler = original(provider, model_type, *a, **kw)  # loads --load on every rank
         engine = model[0]
 
@@ -168,7 +171,6 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         engine.global_steps = args.iteration  # upstream's counter of record; equal after a DeepSpeed load
-        pipeline = not args.no_pipeline_parallel  # DeepSpeed's pipeline engine (GPTModelPipe)
         # legacy models load only their save format; a PipelineModule's state_dict is its save format
         module_state = ((engine.module.state_dict, engine.module.load_state_dict) if pipeline else
                         (engine.module.state_dict_for_save_checkpoint, engine.module.load_state_dict))
