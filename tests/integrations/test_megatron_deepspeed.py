@@ -280,3 +280,20 @@ def test_pipeline_engine_absorbs_a_kill_a_rejoin_and_a_hung_lead(mds_checkout, t
     for it in want:
         assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
     mds.check_whole_and_identical(tmp_path / "sharded", dp=2, k=2, iters=12, pp=2)
+
+
+@pytest.mark.fault
+def test_pipeline_engine_last_replica_hung_gives_up_in_time(mds_checkout, tmp_path):
+    """P = 2 x D = 2, no restarts: replica 0 is lost at step 3, then the last stage of replica 1 (the
+    only one left) hangs in its backward. Its first stage waits on it in DeepSpeed's pipeline
+    send/receive and fails within the collective timeout (not the start-up timeout of the default
+    group): the job gives up cleanly (exit 3) in seconds. Found by the chaos harness (seed 2006)."""
+    root, data = mds_checkout
+    flags = mds.args(data, tmp_path / "ds.json", dp=2, iters=12, extra=[
+        "--mecefo", "--mecefo-rank", "16", "--mecefo-collective-timeout-s", "5", "--mecefo-heartbeat-timeout-s", "2",
+        "--mecefo-agree-timeout-s", "20", "--mecefo-inject", "kill:0:3", "--mecefo-inject", "hang:3:6:backward"])
+    flags = [a for a in flags if a != "--no-pipeline-parallel"] + ["--pipeline-model-parallel-size", "2"]
+    out = mds.mecefo_launch(root, 4, flags, timeout=240)  # the join timeout (600 s) would outlast it
+    assert out.returncode == 3, out.stdout[-4000:]
+    assert "rank 1 (pid" in out.stdout and "ended: exit code 4" in out.stdout
+    assert "the job gave up: no rank of the job is left running" in out.stdout
