@@ -14,8 +14,9 @@ start it with `mecefo-launch` (or `deepspeed`), e.g.
 
     mecefo-launch --nproc-per-node 4 pretrain_gpt.py <your flags> --deepspeed --no-pipeline-parallel --mecefo
 
-Scope: tensor parallelism >= 1 with `--no-pipeline-parallel`, ZeRO stage 0, fp32 or bf16, dense
-layers. What is refused, and why, is in training.check_args.
+Scope: tensor parallelism >= 1; pipelines in DeepSpeed's pipeline engine (without
+`--no-pipeline-parallel`; no virtual stages); ds_config ZeRO stage 0 or 1 (MeCeFO's sharding over the
+replicas); fp32 or bf16; dense layers. What is refused, and why, is in training.check_args.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ Data parallelism across replicas belongs to the runtime. The consequences, handl
 * a step (`train_step`): the plan's micro-batches (own, then a failed neighbour's), each drawn from
   the training set exactly as Megatron's `MegatronPretrainingSampler` would give it to that
   data-parallel rank; reduce, commit, optimizer step; a failed step is redone by the survivors.
+  With DeepSpeed's pipeline engine the micro-batches run through its own schedule inside the
+  replica (`MeCeFOEngine.train_batch`; the engine's grid spans the replica's T x P ranks).
   The consumed-sample and token counters advance by the whole global batch.
 * evaluation: every replica evaluates the whole global eval batch per eval iteration (what all
   data-parallel ranks together evaluate upstream), with no cross-replica collective; so the
