@@ -225,3 +225,44 @@ def assert_recorded_once(out, *, killed: str, iters: int, evaluations: Dict[int,
     got = record(out.stdout)
     assert got["iteration"] == {i: 1 for i in range(1, iters + 1)}, got
     assert got["evaluation"] == evaluations, got
+
+
+def assert_losses(out, want: Dict[int, float], iters: int) -> None:
+    """A run (a launcher's result) that ended well and logged every iteration 1..iters once, with
+    the losses `want` (to 1e-5)."""
+    assert out.returncode == 0, out.stdout[-6000:]
+    got = losses(out.stdout)  # each iteration once (losses() asserts it)
+    assert sorted(got) == list(range(1, iters + 1))
+    for it in want:
+        assert math.isclose(got[it], want[it], rel_tol=1e-5, abs_tol=1e-6), (it, got[it], want[it])
+
+
+def check_pipeline_faults(launch: Callable, args_of: Callable[[List[str]], List[str]], want: Dict[int, float],
+                          log_dir: Path, iters: int = 12) -> None:
+    """P = 2 x D = 2 on 4 ranks (replica r = ranks r and 2 + r), approximations off: the last stage of
+    replica 1 (rank 3) is SIGKILLed in the backward of step 4, its first stage leaves (exit 4),
+    replica 0 covers and the restarted replica rejoins after step 8; in a second run the lead's last
+    stage (rank 2, which prints the losses) hangs in step 4 and replica 1 prints the rest. Both give
+    the fault-free losses `want` at every iteration, each logged once.
+
+    Args:
+        launch: (script args, **mecefo_launch options) -> the launcher's result, on the checkout.
+        args_of: extra flags -> the script's arguments.
+    """
+    killed = launch(args_of(["--mecefo-log-dir", str(log_dir), "--mecefo-inject", "kill:3:4", "--mecefo-inject",
+                             "hold:3:8", "--mecefo-inject", "hold:1:8"]),  # the job waits for both ranks of the replica
+                    restart_after=1, timeout=300)
+    assert killed.returncode == 0, killed.stdout[-6000:]
+    assert "rank 1 (pid" in killed.stdout and "ended: exit code 4" in killed.stdout
+    assert "generation 1: members [0, 2], cover {1: 0}" in killed.stdout
+    for rank in (1, 3):
+        events = [json.loads(line) for line in (log_dir / f"events_rank{rank}.jsonl").read_text().splitlines()]
+        assert [e["step"] for e in events if e["event"] == "rejoined"] == [9]
+    hung = launch(args_of(["--mecefo-inject", "hang:2:4", "--mecefo-collective-timeout-s", "5",
+                           "--mecefo-agree-timeout-s", "20"]))
+    assert hung.returncode == 0, hung.stdout[-4000:]
+    assert "generation 1: members [1, 3], cover {0: 1}" in hung.stdout and "rank 2 is stopped (hung)" in hung.stdout
+    for out in (killed, hung):
+        assert_losses(out, want, iters)
+        assert consumed(out.stdout)[iters] == iters * 4
+    check_whole_and_identical(log_dir, dp=2, k=2, iters=iters, pp=2)

@@ -246,39 +246,12 @@ def test_pipeline_engine_absorbs_a_kill_a_rejoin_and_a_hung_lead(mds_checkout, t
     free = mds.mecefo_launch(root, 4, args(exact))
     mds.assert_same_run(upstream, upstream, free, iters=12, evals=(5, 10))
     want = mds.losses(upstream.stdout)
-    log_dir = tmp_path / "log"
-    killed = mds.mecefo_launch(root, 4, args(exact + [
-        "--mecefo-log-dir", str(log_dir), "--mecefo-inject", "kill:3:4", "--mecefo-inject", "hold:3:8",
-        "--mecefo-inject", "hold:1:8"]),  # the job waits for both ranks of the replica (its mate left too)
-        restart_after=1, timeout=300)
-    assert killed.returncode == 0, killed.stdout[-6000:]
-    assert "rank 1 (pid" in killed.stdout and "ended: exit code 4" in killed.stdout
-    assert "generation 1: members [0, 2], cover {1: 0}" in killed.stdout
-    for rank in (1, 3):
-        events = [json.loads(line) for line in (log_dir / f"events_rank{rank}.jsonl").read_text().splitlines()]
-        assert [e["step"] for e in events if e["event"] == "rejoined"] == [9]
-    got = mds.losses(killed.stdout)
-    assert sorted(got) == list(range(1, 13))
-    for it in want:
-        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
-    assert mds.consumed(killed.stdout)[12] == 12 * 4
-    mds.check_whole_and_identical(log_dir, dp=2, k=2, iters=12, pp=2)
-    hung = mds.mecefo_launch(root, 4, args(exact + [
-        "--mecefo-inject", "hang:2:4", "--mecefo-collective-timeout-s", "5", "--mecefo-agree-timeout-s", "20"]))
-    assert hung.returncode == 0, hung.stdout[-4000:]
-    assert "generation 1: members [1, 3], cover {0: 1}" in hung.stdout and "rank 2 is stopped (hung)" in hung.stdout
-    got = mds.losses(hung.stdout)  # each iteration once (losses() asserts it), all of them
-    assert sorted(got) == list(range(1, 13))
-    for it in want:
-        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    mds.check_pipeline_faults(lambda a, **kw: mds.mecefo_launch(root, 4, a, **kw), lambda extra: args(exact + extra),
+                              want, tmp_path / "log")
     sharded = mds.mecefo_launch(root, 4, args(exact + ["--mecefo-log-dir", str(tmp_path / "sharded"),
                                                        "--mecefo-inject", "kill:3:4:optimizer"], zero_stage=1))
-    assert sharded.returncode == 0, sharded.stdout[-4000:]
+    mds.assert_losses(sharded, want, 12)
     assert "generation 1: members [0, 2], cover {1: 0}" in sharded.stdout
-    got = mds.losses(sharded.stdout)
-    assert sorted(got) == list(range(1, 13))
-    for it in want:
-        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
     mds.check_whole_and_identical(tmp_path / "sharded", dp=2, k=2, iters=12, pp=2)
 
 
