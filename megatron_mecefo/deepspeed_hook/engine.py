@@ -174,6 +174,9 @@ class MeCeFOEngine(DrivenHost):
         schedule runs the backward), or None."""
         if overlap_bucket is not None and runtime.grid.tp * runtime.grid.pp == 1 and not self.pipeline:
             self.buckets = GradBuckets(engine.module.parameters(), runtime, bucket_numel=overlap_bucket)
+        elif overlap_bucket is not None and runtime.rank == 0:
+            logger.warning('ds_config "zero_optimization.overlap_comm": MeCeFO overlaps the reduction with data '
+                           "parallelism only; with tensor or pipeline parallelism it runs after the backward")
 
     # -- what to run ------------------------------------------------------------------------------
 
