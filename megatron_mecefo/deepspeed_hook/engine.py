@@ -266,16 +266,15 @@ class MeCeFOEngine(DrivenHost):
         mbs = list(self.plan().micro_batches)
         forwards = iter(mbs)
         gas = e.gradient_accumulation_steps()  # the last stage's backward divides each loss by it
-        step_lr_kwargs = lr_kwargs
 
         def forward_pass(eng, buffer_id):
             with self.driver.forward(next(forwards)):
                 PipelineEngine._exec_forward_pass(eng, buffer_id)
             self.driver.backward_point(eng.loss if eng.is_last_stage() else eng.pipe_buffers["outputs"][buffer_id])
 
-        def optimizer_step(eng, lr_kwargs=None):
+        def optimizer_step(eng, **_):  # the schedule's own lr_kwargs (none) are replaced by ours
             last = eng.is_last_stage()
-            self._step_kwargs = {"lr_kwargs": step_lr_kwargs}
+            self._step_kwargs = {"lr_kwargs": lr_kwargs}
             self.driver.finish(loss_sum=float(eng.total_loss) if last else 0.0, loss_count=len(mbs) if last else 0,
                                micro_batches=len(mbs), averaged_over=gas)
 

@@ -84,7 +84,6 @@ def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, world: int) -
         (getattr(args, "transformer_impl", "local") != "local", "--mecefo supports --transformer-impl local only"),
         (args.virtual_pipeline_model_parallel_size is not None,
          "--mecefo does not support a virtual pipeline (--num-layers-per-virtual-pipeline-stage)"),
-
     ] + shared_refusals(args))
     cfg.check_ds_config(ds_config)
     check_rules(cfg.inject, world)
