@@ -3,6 +3,7 @@ groups: the same parameters after steps at 4 replicas, after a re-shard to 3 (a 
 its shard taken from the copy), after a joiner comes back (4 again), and from a sharded checkpoint
 at another replica count; two adjacent replicas gone lose a shard."""
 
+import gc
 import os
 import socket
 from datetime import timedelta
@@ -78,7 +79,7 @@ def worker(rank, port, schedule, load, save, start_step, out, on_loss="give_up",
         with torch.no_grad():  # the module of the checkpoint (every replica loads it)
             for p, v in zip(m.parameters(), torch.load(os.path.join(load, "module.pt"))):
                 p.copy_(v)
-    params, step, record = list(m.parameters()), start_step, {}
+    params, step, record, group = list(m.parameters()), start_step, {}, None
     for generation, (live, steps) in enumerate(schedule):
         if rank not in live:
             sharded = ShardedOptimizer(optimizer(m), on_loss=on_loss)  # its state is gone with it
@@ -109,6 +110,10 @@ def worker(rank, port, schedule, load, save, start_step, out, on_loss="give_up",
         if rank == 0:
             torch.save([p.detach().clone() for p in params], os.path.join(save, "module.pt"))
     torch.save(record, os.path.join(out, f"rank{rank}.pt"))
+    # destroy the gloo group while the interpreter is alive: destroyed during interpreter teardown, it
+    # can abort the process ("terminate called without an active exception") after a passing run
+    sharded = group = None
+    gc.collect()
 
 
 def run(out, schedule, world=4, load=None, save=None, start_step=0, on_loss="give_up", dtype=torch.float32):
