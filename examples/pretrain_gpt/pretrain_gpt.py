@@ -70,6 +70,10 @@ def parse_args(argv=None):
     a("--tensor-model-parallel-size", type=int, default=1); a("--pipeline-model-parallel-size", type=int, default=1)
     a("--sequence-parallel", action="store_true", help="Megatron's sequence parallelism (needs --tensor-model-parallel-size > 1)")
     a("--local_rank", "--local-rank", type=int, default=0)
+    a("--perturb-loss", default=None, metavar="STEP:SCALE",
+      help="multiply the loss of step STEP's first micro-batch by SCALE (e.g. 25:1.001): a negligible change of one "
+           "step's gradient (its direction: a uniform scale would be undone by clipping and Adam), the control that "
+           "measures run-to-run noise in benchmarks/convergence.py")
     # DeepSpeed's own two flags (what deepspeed.add_config_arguments adds), declared here so that bad
     # input ends before `import deepspeed` and Megatron-Core (seconds per rank)
     g = p.add_argument_group("DeepSpeed", "DeepSpeed configurations")
@@ -78,6 +82,12 @@ def parse_args(argv=None):
     MeCeFOConfig.add_cli_args(p)
     args = p.parse_args(argv)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    if args.perturb_loss is not None:
+        try:
+            step, scale = args.perturb_loss.split(":")
+            args.perturb_loss = (int(step), float(scale))
+        except ValueError:
+            p.error(f"--perturb-loss must be STEP:SCALE (e.g. 25:1.001), got {args.perturb_loss!r}")
     return args
 
 
@@ -241,6 +251,8 @@ def main(argv=None):
     dp = check_layout(args, env.world)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     sharded = tp * pp > 1
+    if sharded and args.perturb_loss:
+        raise ValueError("--perturb-loss needs tensor and pipeline parallel size 1")
     ds_config = ds_config_for(args, dp)
     if mecefo.enable:
         from megatron_mecefo.elastic.inject import check_rules, job_trace
@@ -343,6 +355,8 @@ def main(argv=None):
             mbs = [(m.replica, m.index) for m in engine.micro_batches()] if rt else [(env.rank, j) for j in range(k)]
             for replica, index in mbs:
                 loss = lm_loss(engine, batch_of(it, replica, index))
+                if args.perturb_loss and it == args.perturb_loss[0] and (replica, index) == (0, 0):
+                    loss = loss * args.perturb_loss[1]
                 engine.backward(loss)
                 losses.append(loss.item())
                 stepped = engine.step()

@@ -69,14 +69,14 @@ def lowrank_linear(
         x: input (..., in).
         weight: W (out, in).
         bias: b (out,) or None.
-        projector: holds V (in, r); call `projector.maybe_refresh(weight, step)` first.
+        projector: gives V (in, r), W's or x's own; call `projector.maybe_refresh(weight, step)` first.
         wgrad_hook: called with the approximate G_W in backward; what it returns is handed to
             autograd as W's gradient (None: nothing is). Lets Megatron accumulate into main_grad.
 
     Returns:
         y (..., out), exact.
     """
-    basis = projector._require_basis()
+    basis = projector.basis_for(x)
     if basis.shape[0] != weight.shape[1]:
         raise ValueError(
             f"projector basis has {basis.shape[0]} rows but the weight has {weight.shape[1]} input features"

@@ -30,9 +30,11 @@ __all__ = [
     "set_covering",
     "covering",
     "SVD_METHODS",
+    "BASES",
 ]
 
 SVD_METHODS = ("auto", "exact", "randomized")
+BASES = ("weight", "activation")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,7 +51,10 @@ class CoverPolicy:
     recompute_ffn: bool = False
     """Keep only each FFN block's input and recompute the rest in backward (MeCeFO §3.2)."""
     lowrank_ffn: bool = True
-    """FFN weight gradients through the top-`rank` right singular vectors of W (MeCeFO §3.3)."""
+    """FFN weight gradients projected onto `rank` input directions (MeCeFO §3.3)."""
+    basis: str = "weight"
+    """Those directions: "weight" (top right singular vectors of W, the paper) or "activation"
+    (the dominant directions of the micro-batch's own FFN input)."""
     rank: int = 64
     """Rank r of the projection; must be < min(out, in) of every (local) FFN weight."""
     tau: int = 200
@@ -65,6 +70,8 @@ class CoverPolicy:
             raise ValueError(f"CoverPolicy.rank must be > 0, got {self.rank}")
         if self.tau <= 0:
             raise ValueError(f"CoverPolicy.tau must be > 0, got {self.tau}")
+        if self.basis not in BASES:
+            raise ValueError(f"CoverPolicy.basis must be one of {BASES}, got {self.basis!r}")
         if self.svd_method not in SVD_METHODS:
             raise ValueError(f"CoverPolicy.svd_method must be one of {SVD_METHODS}, got {self.svd_method!r}")
 

@@ -1,12 +1,18 @@
 """LowRankProjector: the basis V of MeCeFO's low-rank weight gradient (MeCeFO §3.3).
 
-For a linear map y = x W^T with W of shape (out, in), V (in, r) holds the top-r right singular
-vectors of W itself, so that the weight gradient G_W = G_y^T x is approximated by
-(G_y^T (x V)) V^T = G_W V V^T, the exact gradient projected onto W's dominant input directions.
+For a linear map y = x W^T with W of shape (out, in), the weight gradient G_W = G_y^T x is
+approximated by (G_y^T (x V)) V^T = G_W V V^T, the exact gradient projected onto the input
+directions V (in, r). Two sources of V (`basis`):
 
-The projector owns V and when to recompute it (every `tau` steps, and on first use). It knows
-nothing of autograd (see lowrank_grad.py) or of distribution: under tensor parallelism each rank
-keeps the basis of its own weight shard.
+* "weight" (the paper): the top-r right singular vectors of W itself, recomputed every `tau` steps.
+* "activation": the dominant directions of the micro-batch's own input x (tokens, in), found per
+  micro-batch by a randomized range finder. G_W's rows are combinations of x's rows, so this is
+  the subspace that matters; on a trained model its error is 2-3x lower than W's at the same r
+  (benchmarks/lowrank_basis.py). Costs about 3 x tokens x in x r multiply-adds per micro-batch.
+
+The projector owns V and when to recompute it. It knows nothing of autograd (see lowrank_grad.py)
+or of distribution: under tensor parallelism each rank projects with a basis of its own shard's
+input (row-parallel) or of the full input (column-parallel), with no communication.
 """
 
 from __future__ import annotations
@@ -15,9 +21,9 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron_mecefo.approx.mode import SVD_METHODS
+from megatron_mecefo.approx.mode import BASES, SVD_METHODS
 
-__all__ = ["LowRankProjector", "check_rank", "projector_for", "top_right_singular_vectors"]
+__all__ = ["BASES", "LowRankProjector", "check_rank", "input_subspace", "projector_for", "top_right_singular_vectors"]
 
 
 def top_right_singular_vectors(
@@ -59,15 +65,39 @@ def top_right_singular_vectors(
     return v.to(dtype=weight.dtype).contiguous()
 
 
+@torch.no_grad()
+def input_subspace(x: torch.Tensor, rank: int, *, niter: int = 1, seed: int = 0) -> torch.Tensor:
+    """An orthonormal (in, rank) basis of the dominant row directions of `x` (..., in).
+
+    A randomized range finder on x^T (Halko, Martinsson & Tropp 2011, Alg. 4.4): Q = orth(x^T Omega)
+    for a Gaussian Omega (tokens, rank), then `niter` power iterations Q = orth(x^T (x Q)). With
+    tokens <= rank, Q spans every row of x, so G_y^T x is reproduced exactly. Runs in fp32 and is
+    cast back to x's dtype; Omega comes from a private generator seeded with `seed`, so the training
+    RNG is untouched and a redone step draws the same basis.
+    """
+    x2 = x.detach().reshape(-1, x.shape[-1]).float()
+    if not 0 < rank < x2.shape[1]:
+        raise ValueError(f"rank must satisfy 0 < rank < in = {x2.shape[1]}; got rank={rank}")
+    gen = torch.Generator(device=x2.device).manual_seed(seed)
+    omega = torch.randn((x2.shape[0], rank), generator=gen, device=x2.device)
+    q, _ = torch.linalg.qr(x2.t() @ omega)
+    for _ in range(niter):
+        q, _ = torch.linalg.qr(x2.t() @ (x2 @ q))
+    return q.to(x.dtype).contiguous()
+
+
 class LowRankProjector:
-    """Owns V (in, r) for one weight and refreshes it every `tau` steps.
+    """Owns V (in, r) for one weight: W's basis refreshed every `tau` steps, or the input's basis
+    drawn per micro-batch (`basis="activation"`).
 
     Args:
-        rank: r, the number of right singular vectors kept.
-        tau: refresh period in optimizer steps (the basis is also computed on first use).
+        rank: r, the number of directions kept.
+        tau: refresh period of the weight basis in optimizer steps (also computed on first use).
         svd_method: 'exact', 'randomized' or 'auto' (exact when min(out, in) <= exact_max_dim).
         exact_max_dim: threshold of 'auto'.
-        seed: seed of the randomized SVD's private RNG stream.
+        seed: seed of the randomized SVD's (and the range finder's) private RNG stream.
+        basis: "weight" or "activation" (see the module docstring).
+        niter: power iterations of the activation basis's range finder.
     """
 
     def __init__(
@@ -78,6 +108,8 @@ class LowRankProjector:
         svd_method: str = "auto",
         exact_max_dim: int = 4096,
         seed: int = 0,
+        basis: str = "weight",
+        niter: int = 1,
     ) -> None:
         if not isinstance(rank, int) or rank <= 0:
             raise ValueError(f"LowRankProjector: rank must be a positive int, got {rank!r}")
@@ -85,8 +117,13 @@ class LowRankProjector:
             raise ValueError(f"LowRankProjector: tau must be a positive int, got {tau!r}")
         if svd_method not in SVD_METHODS:
             raise ValueError(f"LowRankProjector: svd_method must be one of {SVD_METHODS}, got {svd_method!r}")
+        if basis not in BASES:
+            raise ValueError(f"LowRankProjector: basis must be one of {BASES}, got {basis!r}")
         self.rank = rank
         self.tau = tau
+        self.source = basis
+        self.niter = niter
+        self.step = 0
         self.svd_method = svd_method
         self.exact_max_dim = exact_max_dim
         self.seed = seed
@@ -102,8 +139,10 @@ class LowRankProjector:
 
     @torch.no_grad()
     def maybe_refresh(self, weight: torch.Tensor, step: int) -> bool:
-        """Recompute V from `weight` if due at `step`. Returns True when it was recomputed."""
-        if not self.needs_refresh(step):
+        """Recompute V from `weight` if due at `step` (weight basis; the activation basis only
+        notes the step, which seeds its draw). Returns True when it was recomputed."""
+        self.step = step
+        if self.source == "activation" or not self.needs_refresh(step):
             return False
         self.basis = top_right_singular_vectors(
             weight,
@@ -115,6 +154,12 @@ class LowRankProjector:
         self.last_refresh_step = step
         self.num_refreshes += 1
         return True
+
+    def basis_for(self, x: torch.Tensor) -> torch.Tensor:
+        """V for a micro-batch whose input is `x`: W's current basis, or x's own (activation)."""
+        if self.source == "activation":
+            return input_subspace(x, self.rank, niter=self.niter, seed=self.seed + self.step)
+        return self._require_basis()
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> x V (..., r)."""
@@ -154,11 +199,11 @@ def projector_for(owner, policy) -> LowRankProjector:
     """The projector cached on `owner` (a linear layer) for `policy`'s settings, made anew when they
     change. It lives in `owner._mecefo_projector`, so each weight (shard) keeps its own basis."""
     p = getattr(owner, "_mecefo_projector", None)
-    if p is None or (p.rank, p.tau, p.svd_method, p.exact_max_dim) != (
-        policy.rank, policy.tau, policy.svd_method, policy.svd_exact_max_dim,
+    if p is None or (p.rank, p.tau, p.svd_method, p.exact_max_dim, p.source) != (
+        policy.rank, policy.tau, policy.svd_method, policy.svd_exact_max_dim, policy.basis,
     ):
         p = LowRankProjector(policy.rank, policy.tau, svd_method=policy.svd_method,
-                             exact_max_dim=policy.svd_exact_max_dim)
+                             exact_max_dim=policy.svd_exact_max_dim, basis=policy.basis)
         owner._mecefo_projector = p
     return p
 
