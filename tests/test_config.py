@@ -26,6 +26,7 @@ def test_defaults_are_the_documented_ones():
         ("svd_method", "qr", r"--mecefo-svd-method must be one of 'auto', 'exact', 'randomized', got 'qr'"),
         ("recompute_ffn", "sometimes", r"--mecefo-recompute-ffn must be one of 'auto', 'always', 'never'"),
         ("approximate", "own", r"--mecefo-approximate must be one of 'all', 'adopted'"),
+        ("basis", "gradient", r'"basis" .* --mecefo-basis must be one of \'weight\', \'activation\', got \'gradient\''),
         ("enable", "yes", r'"enable" .* --mecefo must be true or false'),
         ("skip_attention", 1, r"--mecefo-skip-attention must be true or false"),
         ("lowrank_ffn", None, r"--mecefo-lowrank-ffn must be true or false"),
@@ -56,6 +57,16 @@ def test_cli_overrides_ds_config_and_absent_flags_do_not():
     assert c.enable and not c.skip_attention
     with pytest.raises(ValueError, match="--mecefo-rank"):
         MeCeFOConfig.from_args(parser.parse_args(["--mecefo-rank", "0"]))
+
+
+def test_basis_flag_reaches_the_cover_policy():
+    parser = MeCeFOConfig.add_cli_args(argparse.ArgumentParser())
+    assert MeCeFOConfig().cover_policy(3).basis == "weight"  # the paper's rule
+    c = MeCeFOConfig.from_args(parser.parse_args(["--mecefo", "--mecefo-basis", "activation"]), {"basis": "weight"})
+    assert c.cover_policy(3).basis == "activation"
+    assert MeCeFOConfig.from_ds_config({"basis": "activation"}).cover_policy(0).basis == "activation"
+    with pytest.raises(SystemExit):  # argparse's choices
+        parser.parse_args(["--mecefo-basis", "gradient"])
 
 
 def test_cover_policy_recompute_auto_follows_live_microbatches():

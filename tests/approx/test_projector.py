@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from megatron_mecefo.approx.projector import LowRankProjector, top_right_singular_vectors
+from megatron_mecefo.approx import lowrank_linear
+from megatron_mecefo.approx.projector import LowRankProjector, input_subspace, top_right_singular_vectors
 
 pytestmark = pytest.mark.unit
 
@@ -114,3 +115,66 @@ def test_invalid_arguments(kwargs, match):
     rank, tau = kwargs.pop("rank"), kwargs.pop("tau")
     with pytest.raises(ValueError, match=match):
         LowRankProjector(rank, tau, **kwargs)
+
+
+# -- the activation basis ------------------------------------------------------------------------
+
+
+def _lowrank_wgrad(x, w, projector, step=0):
+    w = w.detach().clone().requires_grad_()
+    projector.maybe_refresh(w, step)
+    g = torch.Generator().manual_seed(9)
+    gy = torch.randn(*x.shape[:-1], w.shape[0], generator=g)
+    lowrank_linear(x, w, None, projector).backward(gy)
+    return w.grad, gy.reshape(-1, w.shape[0]).t() @ x.reshape(-1, x.shape[-1])
+
+
+def test_activation_basis_reproduces_the_gradient_of_a_low_rank_input_exactly():
+    """G_W = G_y^T x has x's row space: when x has rank <= r (few tokens, or rank-deficient
+    inputs) the activation basis spans it and the low-rank gradient is the exact one; W's basis is not."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 32, generator=g)
+    low_rank_x = (torch.randn(4, 10, 5, generator=g) @ torch.randn(5, 32, generator=g))  # 40 tokens of rank 5
+    few_tokens = torch.randn(1, 6, 32, generator=g)  # 6 tokens
+    for x in (low_rank_x, few_tokens):
+        got, exact = _lowrank_wgrad(x, w, LowRankProjector(8, 100, basis="activation"))
+        torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4)
+        by_weight, _ = _lowrank_wgrad(x, w, LowRankProjector(8, 100, basis="weight", svd_method="exact"))
+        assert torch.linalg.norm(by_weight - exact) > 0.3 * torch.linalg.norm(exact)
+
+
+def test_activation_basis_beats_the_weight_basis_on_an_anisotropic_input():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 64, generator=g) @ _decaying(64, 64, seed=2)  # decaying spectrum, as trained inputs have
+    w = torch.randn(48, 64, generator=g)
+    errors = {}
+    for basis in ("weight", "activation"):
+        got, exact = _lowrank_wgrad(x, w, LowRankProjector(8, 100, basis=basis, svd_method="exact"))
+        errors[basis] = (torch.linalg.norm(got - exact) / torch.linalg.norm(exact)).item()
+    assert errors["activation"] < 0.6 * errors["weight"], errors
+
+
+def test_input_subspace_is_orthonormal_seeded_and_leaves_the_rng_untouched():
+    x = torch.randn(128, 40, generator=torch.Generator().manual_seed(3))
+    state = torch.get_rng_state()
+    q1, q2, q3 = input_subspace(x, 6, seed=5), input_subspace(x, 6, seed=5), input_subspace(x, 6, seed=6)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert q1.shape == (40, 6) and torch.equal(q1, q2) and not torch.equal(q1, q3)
+    torch.testing.assert_close(q1.T @ q1, torch.eye(6), rtol=0, atol=1e-5)
+    bf16 = input_subspace(x.bfloat16(), 6, seed=5)
+    assert bf16.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="rank must satisfy"):
+        input_subspace(x, 40)
+
+
+def test_activation_basis_draws_per_step_and_never_refreshes_from_the_weight():
+    """The draw is seeded by the step: a redone step gets the same basis, the next another."""
+    x = torch.randn(3, 20, 16, generator=torch.Generator().manual_seed(4))
+    w = torch.randn(12, 16)
+    p = LowRankProjector(4, 1, basis="activation")
+    assert not p.maybe_refresh(w, 0) and p.num_refreshes == 0 and p.basis is None
+    first, again = p.basis_for(x), p.basis_for(x)
+    p.maybe_refresh(w, 1)
+    assert torch.equal(first, again) and not torch.equal(first, p.basis_for(x))
+    with pytest.raises(ValueError, match="basis must be one of"):
+        LowRankProjector(4, 1, basis="gradient")

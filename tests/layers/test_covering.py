@@ -124,6 +124,30 @@ def test_lowrank_weight_gradient_is_projected_exact_gradient(tiny_config):
             torch.testing.assert_close(cov[name], exact[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_activation_basis_projects_on_each_linears_own_input(tiny_config):
+    """basis "activation" reaches every FFN linear: its gradient is the exact one projected on the
+    range finder's basis of the input that linear saw (fc1: the normed hidden; fc2: the activation)."""
+    from megatron_mecefo.approx.projector import input_subspace
+
+    model = _model(tiny_config)
+    batch = make_batch(3)
+    exact = _grads_under(model, batch, None)[1]
+    linears = dict(lowrank_linears(model))
+    seen = {}
+    hooks = [m.register_forward_hook(lambda m, inp, out, n=n: seen.__setitem__(n, inp[0].detach()))
+             for n, m in linears.items()]
+    _, cov = _grads_under(model, batch, CoverPolicy(step=7, basis="activation", **LOWRANK_ONLY))
+    for h in hooks:
+        h.remove()
+    for module_name, lin in linears.items():
+        name = module_name + ".weight"
+        v = input_subspace(seen[module_name], 8, seed=7)  # the projector's seed 0 + step 7
+        torch.testing.assert_close(cov[name], exact[name] @ v @ v.T, rtol=1e-4, atol=1e-6, msg=name)
+        weight_basis = lin._mecefo_projector
+        assert weight_basis.source == "activation" and weight_basis.basis is None  # no SVD of W was made
+        assert not torch.allclose(cov[name], exact[name], atol=1e-4), name
+
+
 def test_basis_refreshed_every_tau_steps(tiny_config):
     model = _model(tiny_config)
     policy = dict(LOWRANK_ONLY, tau=4)
