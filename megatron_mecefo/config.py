@@ -119,6 +119,11 @@ class MeCeFOConfig:
     """Which micro-batches of a covering rank run in covering mode: "all" (its own and the adopted
     ones; the paper's rule, attention gradients averaged over non-covering ranks only) or "adopted"
     (its own micro-batches stay exact)."""
+    attention_floor: float = 0.0
+    """The least share of a step's micro-batches whose attention backward runs exact (0 to 1; 0: the
+    paper's rule, none kept). When more replicas cover than the floor allows (with two of four
+    replicas down the paper's rule leaves attention no gradient at all), covering micro-batches keep
+    their attention backward, the covering replicas' own ones first, until the share reaches it."""
     shard_redundancy: str = "neighbour"
     """With a sharded optimizer state (ds_config "zero_optimization.stage": 1, Megatron-LM's
     --use-distributed-optimizer): "neighbour" keeps a copy of each replica's shard, current at every
@@ -194,6 +199,10 @@ class MeCeFOConfig:
         self._check_choice("svd_method", SVD_METHODS)
         self._check_choice("recompute_ffn", RECOMPUTE_CHOICES)
         self._check_choice("approximate", APPROXIMATE_CHOICES)
+        value = self.attention_floor
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ValueError(f"{self._where('attention_floor')} must be a number in [0, 1], got {value!r}")
+        self.attention_floor = float(value)
         self._check_choice("shard_redundancy", SHARD_REDUNDANCY_CHOICES)
         self._check_choice("on_shard_loss", SHARD_LOSS_CHOICES)
         for key in ("collective_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "agree_timeout_s", "join_timeout_s"):

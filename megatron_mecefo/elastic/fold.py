@@ -12,17 +12,24 @@ micro-batch gradients; after the all-reduce SUM,
 * attention parameters (GradGroup.MHA) by the number of micro-batches run with an exact attention
   backward, since covering micro-batches contribute no attention gradient.
 
+The exact-attention floor: when so many replicas cover that the share of micro-batches with an
+exact attention backward would fall below `attention_floor` (with two of four replicas down, the
+paper's rule leaves none: attention learns from nothing), covering micro-batches keep their
+attention backward (`exact_attention`), the covering replicas' own ones first, spread over the
+replicas, until the share reaches the floor. The FFN approximations stay on for them.
+
 A fold policy is any function (plan, k, options) -> Fold; `fold_neighbor` is MeCeFO's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Dict, List, Tuple
 
 from megatron_mecefo.elastic.topology import CoverMap
 
-__all__ = ["MicroBatch", "Fold", "FoldPolicy", "fold_neighbor", "sample_range", "APPROXIMATE_MODES"]
+__all__ = ["MicroBatch", "Fold", "FoldPolicy", "fold_neighbor", "micro_batch_policy", "sample_range", "APPROXIMATE_MODES"]
 
 APPROXIMATE_MODES = ("all", "adopted", "none")
 
@@ -35,6 +42,8 @@ class MicroBatch:
     """Micro-batch index within that replica's share of the step, 0 <= index < k."""
     covering: bool
     """Run in MeCeFO covering mode (approximate backward)."""
+    exact_attention: bool = False
+    """A covering micro-batch that keeps its attention backward (the exact-attention floor)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +73,7 @@ def fold_neighbor(
     *,
     approximate: str = "all",
     skip_attention: bool = True,
+    attention_floor: float = 0.0,
 ) -> Fold:
     """MeCeFO's fold: each covering replica runs its own and its adopted micro-batches.
 
@@ -74,14 +84,17 @@ def fold_neighbor(
             paper), "adopted" (own stay exact) or "none" (everything exact: the fold alone).
         skip_attention: whether covering mode skips the attention backward (then covering
             micro-batches produce no attention gradient).
+        attention_floor: the least share of the step's micro-batches that run an exact attention
+            backward (0: none kept, the paper's rule); covering micro-batches keep theirs to reach it.
     """
     if approximate not in APPROXIMATE_MODES:
         raise ValueError(f"approximate must be one of {APPROXIMATE_MODES}, got {approximate!r}")
     k = micro_batches_per_replica
     if k < 1:
         raise ValueError(f"micro_batches_per_replica must be >= 1, got {k}")
-    assignments: Dict[int, Tuple[MicroBatch, ...]] = {}
-    exact_attention = 0
+    if not 0.0 <= attention_floor <= 1.0:
+        raise ValueError(f"attention_floor must be in [0, 1], got {attention_floor!r}")
+    assignments: Dict[int, List[MicroBatch]] = {}
     for replica in plan.live:
         adopted = plan.adopted_by(replica)
         covering = bool(adopted)
@@ -89,9 +102,33 @@ def fold_neighbor(
         adopt_cov = covering and approximate in ("all", "adopted")
         mbs = [MicroBatch(replica, j, own_cov) for j in range(k)]
         mbs += [MicroBatch(f, j, adopt_cov) for f in adopted for j in range(k)]
-        assignments[replica] = tuple(mbs)
-        exact_attention += sum(1 for m in mbs if not (m.covering and skip_attention))
-    return Fold(assignments, divisor=plan.grid.dp * k, divisor_mha=exact_attention)
+        assignments[replica] = mbs
+
+    def exact_attention() -> int:
+        return sum(1 for mbs in assignments.values() for m in mbs
+                   if not (m.covering and skip_attention) or m.exact_attention)
+
+    if skip_attention and attention_floor > 0:
+        need = math.ceil(attention_floor * plan.grid.dp * k - 1e-9)
+        # own micro-batches first (the replica's own data), round-robin over the covering replicas
+        slots = sorted(((m.replica != live, j, live) for live, mbs in assignments.items()
+                        for j, m in enumerate(mbs) if m.covering), key=lambda t: (t[0], t[1] % k, t[1], t[2]))
+        have = exact_attention()
+        for _, j, live in slots:
+            if have >= need:
+                break
+            assignments[live][j] = dataclasses.replace(assignments[live][j], exact_attention=True)
+            have += 1
+    return Fold({r: tuple(mbs) for r, mbs in assignments.items()}, divisor=plan.grid.dp * k,
+                divisor_mha=exact_attention())
+
+
+def micro_batch_policy(policy, m: MicroBatch):
+    """The covering policy (a CoverPolicy) micro-batch `m` runs with: None (exact) unless it covers;
+    one kept by the exact-attention floor runs with its attention backward."""
+    if policy is None or not m.covering:
+        return None
+    return dataclasses.replace(policy, skip_attention=False) if m.exact_attention else policy
 
 
 def sample_range(step: int, replica: int, index: int, *, micro_batch_size: int, dp: int, k: int) -> range:

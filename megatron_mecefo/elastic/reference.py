@@ -12,7 +12,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from megatron_mecefo.approx import CoverPolicy, covering
-from megatron_mecefo.elastic.fold import Fold, MicroBatch
+from megatron_mecefo.elastic.fold import Fold, MicroBatch, micro_batch_policy
 from megatron_mecefo.params import GradGroup, grad_group
 
 __all__ = ["reference_gradient"]
@@ -30,7 +30,7 @@ def reference_gradient(model: torch.nn.Module, fold: Fold, loss_of: Callable[[Mi
     model.zero_grad(set_to_none=True)
     for micro_batches in fold.assignments.values():
         for m in micro_batches:
-            with covering(model, policy if m.covering else None):
+            with covering(model, micro_batch_policy(policy, m)):
                 loss = loss_of(m)
             loss.backward()
     out = {}

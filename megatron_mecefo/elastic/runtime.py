@@ -93,7 +93,7 @@ class ElasticRuntime:
             trace that needs more restarts is refused.
         micro_batches: k, micro-batches per replica per step (gradient accumulation).
         incarnation: 0 for the first start; > 0 for a restarted rank (it rejoins).
-        fold_policy: (plan, k, approximate=, skip_attention=) -> Fold.
+        fold_policy: (plan, k, approximate=, skip_attention=, attention_floor=) -> Fold.
         backend: "gloo" (tested) or "nccl" (untested here).
         state: (get, set) of the training state a rejoining rank receives (model, optimizer,
             scheduler, counters; `step.training_state`); None: nothing but the step.
@@ -560,7 +560,8 @@ class ElasticRuntime:
         self.group, self.generation, self.members, self._cover = group, generation, list(agreed.members), cover
         self.step = agreed.step
         approximate = self.cfg.approximate if self._approximations_on() else "none"
-        self._fold = self.fold_policy(cover, self.k, approximate=approximate, skip_attention=self.cfg.skip_attention)
+        self._fold = self.fold_policy(cover, self.k, approximate=approximate, skip_attention=self.cfg.skip_attention,
+                                      attention_floor=self.cfg.attention_floor)
         t_done = time.monotonic()
         now = time.time()
         self.events.write(

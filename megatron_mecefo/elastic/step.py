@@ -34,7 +34,7 @@ import torch
 from megatron_mecefo.approx.mode import CoverPolicy, covering
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic.bootstrap import param_digest
-from megatron_mecefo.elastic.fold import MicroBatch
+from megatron_mecefo.elastic.fold import MicroBatch, micro_batch_policy
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.rng import rng_state, set_rng_state
 
@@ -129,7 +129,7 @@ class StepDriver:
         """The covering policy of micro-batch `mb` (None: the exact backward)."""
         if not (mb.covering and self.cfg.enable):
             return None
-        return self.cfg.cover_policy(self.runtime.step, live_microbatches=self._live_microbatches)
+        return micro_batch_policy(self.cfg.cover_policy(self.runtime.step, live_microbatches=self._live_microbatches), mb)
 
     def fire(self, phase: str) -> None:
         """An injection point of the step (forward | backward | optimizer)."""

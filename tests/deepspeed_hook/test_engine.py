@@ -137,16 +137,29 @@ def _tiny_gpt_module():
 
 
 @pytest.mark.fault
-def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world):
+@pytest.mark.parametrize("case", ["paper", "floor_activation"])
+def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world, case):
     """With the approximations on, the gradient the survivors apply at a degraded step is MeCeFO's,
     recomputed here in one process from the same weights and data: the covering rank's own and
-    adopted micro-batches in covering mode, attention parameters averaged over the non-covering
-    ranks' micro-batches only, every other parameter over the whole global batch."""
-    from megatron_mecefo.elastic import Grid, fold_neighbor, ring_cover, reference_gradient, sample_range
+    adopted micro-batches in covering mode, attention parameters averaged over the micro-batches
+    with an exact attention backward only, every other parameter over the whole global batch.
 
-    step = 4  # rank 2 covers from step 2; with tau = 2 its basis is recomputed at step 4 from these weights
-    run(tmp_path, "--mecefo-inject", "kill:1:2:backward", "--dump-step", str(step))
-    dumps = {r: torch.load(tmp_path / f"dump_rank{r}.pt") for r in (0, 2)}
+    "paper": 3 ranks, one killed (the paper's rule). "floor_activation": 4 ranks, two killed in one
+    step, so both survivors cover and the paper's rule would leave attention no gradient; with
+    attention_floor 0.5 each survivor keeps its own micro-batches' attention backward, and the
+    low-rank FFN gradient takes each micro-batch's own input directions (basis "activation")."""
+    from megatron_mecefo.elastic import Grid, fold_neighbor, ring_cover, reference_gradient, sample_range
+    from megatron_mecefo.params import GradGroup, grad_group
+
+    step = 4  # the survivors cover from step 2; with tau = 2 the weight basis is recomputed at step 4 from these weights
+    if case == "paper":
+        world, survivors, options, extra = 3, [0, 2], {}, ["--mecefo-inject", "kill:1:2:backward"]
+    else:
+        world, survivors, options = 4, [0, 2], {"attention_floor": 0.5, "basis": "activation"}
+        extra = ["--mecefo-inject", "kill:1:2:backward", "--mecefo-inject", "kill:3:2:backward",
+                 "--mecefo-attention-floor", "0.5", "--mecefo-basis", "activation"]
+    run(tmp_path, *extra, "--dump-step", str(step), world=world)
+    dumps = {r: torch.load(tmp_path / f"dump_rank{r}.pt") for r in survivors}
     for name, g in dumps[0]["grads"].items():
         assert torch.equal(g, dumps[2]["grads"][name]), name
 
@@ -155,11 +168,12 @@ def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(dumps[0]["params"][name])
-    cfg = MeCeFOConfig(enable=True, **train.MECEFO)
-    fold = fold_neighbor(ring_cover(Grid(dp=3), [0, 2]), 2)
+    cfg = MeCeFOConfig(enable=True, **train.MECEFO, **options)
+    fold = fold_neighbor(ring_cover(Grid(dp=world), survivors), 2, attention_floor=cfg.attention_floor)
+    assert fold.divisor_mha == (2 if case == "paper" else 4)  # the healthy replica's k / the floor: half of 4 x k
 
     def loss_of(m):
-        tokens, pos, labels = train.batch(sample_range(step, m.replica, m.index, micro_batch_size=2, dp=3, k=2))
+        tokens, pos, labels = train.batch(sample_range(step, m.replica, m.index, micro_batch_size=2, dp=world, k=2))
         return model(tokens, pos, None, labels=labels).float().mean()
 
     flat = lambda d: torch.cat([v.flatten() for v in d.values()])  # noqa: E731
@@ -170,3 +184,5 @@ def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world):
     exact = {name: g * min(1.0, 1.0 / (torch.linalg.norm(flat(exact)).item() + 1e-6)) for name, g in exact.items()}
     err = (torch.linalg.norm(flat(dumps[0]["grads"]) - flat(exact)) / torch.linalg.norm(flat(exact))).item()
     assert err > 0.05, "the covering rank approximated: the applied gradient is not the exact one"
+    attention = [g for name, g in dumps[0]["grads"].items() if grad_group(dict(model.named_parameters())[name]) is GradGroup.MHA]
+    assert attention and all(torch.linalg.norm(g) > 0 for g in attention), "attention learned from exact micro-batches"

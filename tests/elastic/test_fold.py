@@ -44,6 +44,46 @@ def test_fault_free_fold_is_plain_data_parallel():
     assert all(len(m) == 2 and not any(x.covering for x in m) for m in fold.assignments.values())
 
 
+def test_two_of_four_down_leaves_attention_nothing_without_the_floor_and_half_with_it():
+    plan = ring_cover(Grid(dp=4), [0, 2])  # replicas 1 and 3 down: both survivors cover
+    paper = fold_neighbor(plan, 1)
+    assert paper.divisor_mha == 0  # the paper's rule: no exact attention gradient this step
+    floor = fold_neighbor(plan, 1, attention_floor=0.5)
+    assert floor.divisor_mha == 2
+    # each survivor keeps the attention backward of its own micro-batch, not of the adopted one
+    for r in (0, 2):
+        own, adopted = floor.micro_batches(r)
+        assert (own.replica, own.covering, own.exact_attention) == (r, True, True)
+        assert (adopted.covering, adopted.exact_attention) == (True, False)
+    assert floor.all_micro_batches() == paper.all_micro_batches()
+
+
+@pytest.mark.parametrize("dp, live, k", [(4, [0, 2], 1), (4, [0, 2], 3), (8, [0, 2, 4, 6], 2), (2, [1], 2),
+                                         (8, [0, 1, 2, 3, 4, 5, 6], 2), (5, [1, 3, 4], 3)])
+@pytest.mark.parametrize("floor", [0.1, 0.25, 0.5, 0.75, 1.0])
+def test_the_floor_is_met_with_the_fewest_kept_and_never_leaves_zero(dp, live, k, floor):
+    plan = ring_cover(Grid(dp=dp), live)
+    paper, fold = fold_neighbor(plan, k), fold_neighbor(plan, k, attention_floor=floor)
+    kept = [m for mbs in fold.assignments.values() for m in mbs if m.exact_attention]
+    assert all(m.covering for m in kept)
+    # the share reaches the floor, with no more micro-batches kept than needed
+    need = -(-floor * dp * k // 1)
+    assert fold.divisor_mha == max(paper.divisor_mha, need) == paper.divisor_mha + len(kept)
+    assert fold.divisor_mha > 0
+    # own micro-batches are kept before any adopted one, and spread over the covering replicas
+    own_left = [m for r, mbs in fold.assignments.items() for m in mbs if m.replica == r and m.covering and not m.exact_attention]
+    if own_left:
+        assert all(m.replica == r for r, mbs in fold.assignments.items() for m in mbs if m.exact_attention)
+    per_replica = [sum(m.exact_attention for m in mbs) for mbs in fold.assignments.values() if any(m.covering for m in mbs)]
+    assert max(per_replica) - min(per_replica) <= 1 or not own_left
+
+
+def test_the_floor_changes_nothing_when_enough_attention_is_exact():
+    plan = ring_cover(Grid(dp=8), [0, 1, 2, 3, 4, 5, 7])  # the high rate: one of eight down
+    assert fold_neighbor(plan, 2, attention_floor=0.5) == fold_neighbor(plan, 2)
+    assert fold_neighbor(plan, 2, attention_floor=0.5, skip_attention=False) == fold_neighbor(plan, 2, skip_attention=False)
+
+
 def test_sample_ranges_tile_the_global_batch():
     dp, k, mb = 3, 2, 4
     seen = []
@@ -60,3 +100,5 @@ def test_invalid_arguments():
         fold_neighbor(plan, 1, approximate="some")
     with pytest.raises(ValueError, match="micro_batches_per_replica"):
         fold_neighbor(plan, 0)
+    with pytest.raises(ValueError, match="attention_floor"):
+        fold_neighbor(plan, 1, attention_floor=1.5)
