@@ -124,6 +124,13 @@ class MeCeFOConfig:
     paper's rule, none kept). When more replicas cover than the floor allows (with two of four
     replicas down the paper's rule leaves attention no gradient at all), covering micro-batches keep
     their attention backward, the covering replicas' own ones first, until the share reaches it."""
+    covering_budget: Optional[float] = None
+    """Let a covering rank run some of its own micro-batches exact, as many as keep its step within
+    this many times a normal step (e.g. 1.10), from step times it measures itself; the attention
+    divisor follows from the counts the members report (None: the fold's modes). With one
+    micro-batch per replica (k = 1) it is all or nothing, and covering costs about half a normal
+    micro-batch, so budgets below about 1.5 keep the paper's rule. Needs tensor and pipeline
+    parallel size 1."""
     shard_redundancy: str = "neighbour"
     """With a sharded optimizer state (ds_config "zero_optimization.stage": 1, Megatron-LM's
     --use-distributed-optimizer): "neighbour" keeps a copy of each replica's shard, current at every
@@ -203,6 +210,12 @@ class MeCeFOConfig:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise ValueError(f"{self._where('attention_floor')} must be a number in [0, 1], got {value!r}")
         self.attention_floor = float(value)
+        if self.covering_budget is not None:
+            value = self.covering_budget
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
+                raise ValueError(f"{self._where('covering_budget')} must be a number > 1 (a covering step's time "
+                                 f"over a normal one's), got {value!r}")
+            self.covering_budget = float(value)
         self._check_choice("shard_redundancy", SHARD_REDUNDANCY_CHOICES)
         self._check_choice("on_shard_loss", SHARD_LOSS_CHOICES)
         for key in ("collective_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "agree_timeout_s", "join_timeout_s"):
@@ -383,7 +396,7 @@ class MeCeFOConfig:
 _CHOICES = {"basis": BASES, "svd_method": SVD_METHODS, "recompute_ffn": RECOMPUTE_CHOICES, "approximate": APPROXIMATE_CHOICES,
             "shard_redundancy": SHARD_REDUNDANCY_CHOICES, "on_shard_loss": SHARD_LOSS_CHOICES}
 _FLAG_KINDS = {"enable": "store_true", "log_param_hash": "bool", "log_dir": "str", "store": "str",
-               "restart_failed_after": "float"}
+               "restart_failed_after": "float", "covering_budget": "float"}
 
 
 def field_docs() -> Dict[str, str]:

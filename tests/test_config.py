@@ -27,6 +27,8 @@ def test_defaults_are_the_documented_ones():
         ("recompute_ffn", "sometimes", r"--mecefo-recompute-ffn must be one of 'auto', 'always', 'never'"),
         ("approximate", "own", r"--mecefo-approximate must be one of 'all', 'adopted'"),
         ("basis", "gradient", r'"basis" .* --mecefo-basis must be one of \'weight\', \'activation\', got \'gradient\''),
+        ("attention_floor", 1.5, r'"attention_floor" .* --mecefo-attention-floor must be a number in \[0, 1\], got 1.5'),
+        ("covering_budget", 1.0, r'"covering_budget" .* --mecefo-covering-budget must be a number > 1'),
         ("enable", "yes", r'"enable" .* --mecefo must be true or false'),
         ("skip_attention", 1, r"--mecefo-skip-attention must be true or false"),
         ("lowrank_ffn", None, r"--mecefo-lowrank-ffn must be true or false"),

@@ -39,6 +39,7 @@ import torch
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.elastic import groups
 from megatron_mecefo.elastic import store as job_store
+from megatron_mecefo.elastic.budget import CoveringBudget
 from megatron_mecefo.elastic.fold import Fold, FoldPolicy, fold_neighbor
 from megatron_mecefo.elastic.give_up import write_checkpoint
 from megatron_mecefo.elastic.gradients import divisor_scale, reduce_with_divisors
@@ -140,6 +141,11 @@ class ElasticRuntime:
             raise ValueError(f"a world of {world} ranks is not divisible by tensor_parallel ({tensor_parallel}) x "
                              f"pipeline_parallel ({pipeline_parallel})")
         self.grid = Grid(tp=tensor_parallel, pp=pipeline_parallel, dp=world // (tensor_parallel * pipeline_parallel))
+        if config.covering_budget is not None and self.grid.tp * self.grid.pp > 1:
+            # every rank of a replica must run each micro-batch in the same mode, and each would
+            # decide from its own clock
+            raise ValueError(f'mecefo "covering_budget" needs tensor and pipeline parallel size 1 (got tp '
+                             f"{self.grid.tp}, pp {self.grid.pp}); leave it unset (the fold's modes) there")
         self.position = self.grid.position(rank)
         self.k = micro_batches
         self.incarnation = incarnation
@@ -172,6 +178,9 @@ class ElasticRuntime:
         self._pending: Optional[tuple] = None  # (generation, candidates) to regroup into
         self._cover: Optional[CoverMap] = None
         self._fold: Optional[Fold] = None
+        self._budget = CoveringBudget(config.covering_budget) if config.covering_budget is not None else None
+        self._issued: tuple = ()  # the micro-batches plan() handed out for this step
+        self.last_divisor_mha: Optional[int] = None  # with the covering budget: the last step's attention divisor
         self._get_state, self._set_state = state if state is not None else (None, None)
         self._save = save_checkpoint
         self.sharding = sharding
@@ -294,6 +303,7 @@ class ElasticRuntime:
         self._error = None
         self._error_time = self._error_wall = None
         self._ran = None
+        self._issued = ()
         self._t_step = time.monotonic()
 
     def _hold(self) -> None:
@@ -315,11 +325,26 @@ class ElasticRuntime:
 
     def plan(self) -> StepPlan:
         replica = self.grid.replica_of(self.rank)
+        mbs = self._fold.micro_batches(replica)
+        if self._budget is not None and any(m.replica != replica for m in mbs):
+            # the covering budget: the first e own micro-batches exact, e from this rank's clock
+            exact = self._budget.exact_own(self.k)
+            mbs = tuple(dataclasses.replace(m, covering=False, exact_attention=False)
+                        if m.replica == replica and m.index < exact else m for m in mbs)
+        self._issued = mbs
         return StepPlan(
             step=self.step, generation=self.generation, members=tuple(self.members), cover=self._cover,
-            micro_batches=self._fold.micro_batches(replica),
-            divisor=self._fold.divisor, divisor_mha=self._fold.divisor_mha,
+            micro_batches=mbs, divisor=self._fold.divisor, divisor_mha=self._fold.divisor_mha,
         )
+
+    def _exact_attention_count(self) -> int:
+        """Micro-batches this rank ran with an exact attention backward this step."""
+        skip = self.cfg.skip_attention and self._approximations_on()
+        return sum(1 for m in self._micro_batches_run() if not (m.covering and skip) or m.exact_attention)
+
+    def _micro_batches_run(self) -> tuple:
+        """This step's micro-batches as plan() handed them out (the fold's, if it was not asked)."""
+        return self._issued or self._fold.micro_batches(self.grid.replica_of(self.rank))
 
     def cover_map(self) -> CoverMap:
         """The current generation's cover map."""
@@ -398,32 +423,50 @@ class ElasticRuntime:
             self.injector.maybe_fire(self.step, "allreduce")
         extra = list(stats) + ([float(micro_batches)] if micro_batches is not None else [])
         fold = self._fold
+        # with the covering budget each covering rank chooses its own modes: the attention divisor
+        # is the members' summed count of exact-attention micro-batches, the last statistic
+        budget = self._budget is not None
+        if budget:
+            self._observe_step_time()
+            extra.append(float(self._exact_attention_count()))
+        mha = None if budget else fold.divisor_mha
+
+        def scale(p, summed):
+            return divisor_scale(p, fold.divisor, int(round(summed[-1])) if budget else fold.divisor_mha)
+
         try:
             if reduced:
                 if self.sharding is not None:
                     self.sharding.grad_sq = None
-                out = reduce_with_divisors(self.group, [], extra, divisor=fold.divisor, divisor_mha=fold.divisor_mha,
+                out = reduce_with_divisors(self.group, [], extra, divisor=fold.divisor, divisor_mha=mha,
                                            attr=attr, should_abort=self._step_aborted)
                 with torch.no_grad():
                     for p in params:
                         g = getattr(p, attr, None)
                         if g is not None:
-                            g.mul_(divisor_scale(p, fold.divisor, fold.divisor_mha))
+                            g.mul_(scale(p, out))
             elif self.sharding is not None and self.sharding.reduces(params):  # each rank's range only
-                out = reduce_scatter_with_divisors(
-                    self.sharding, self.group, extra, attr=attr, should_abort=self._step_aborted,
-                    scale=lambda p: divisor_scale(p, fold.divisor, fold.divisor_mha))
+                out = reduce_scatter_with_divisors(self.sharding, self.group, extra, attr=attr,
+                                                   should_abort=self._step_aborted, scale=scale)
             else:
                 if self.sharding is not None:
                     self.sharding.grad_sq = None
                 out = reduce_with_divisors(self.group, params, extra, divisor=fold.divisor,
-                                           divisor_mha=fold.divisor_mha, attr=attr, should_abort=self._step_aborted)
+                                           divisor_mha=mha, attr=attr, should_abort=self._step_aborted)
         except Exception as e:  # gloo: connection closed / timed out; or a peer gave up first
             self.report_error(e)
             return [0.0] * len(stats)
+        if budget:
+            self.last_divisor_mha = int(round(out.pop()))
         if micro_batches is not None:
             self._ran = int(round(out.pop()))
         return out
+
+    def _observe_step_time(self) -> None:
+        """Feed the covering budget this step's compute time (its start to its reduction)."""
+        ran = self._micro_batches_run()
+        exact = sum(1 for m in ran if not m.covering)
+        self._budget.observe(exact, len(ran) - exact, time.monotonic() - self._t_step)
 
     def _step_aborted(self) -> bool:
         return self.store.check([f"gen{self.generation}/step{self.step}/decision"])
@@ -456,11 +499,13 @@ class ElasticRuntime:
                 self.store.set("job/progress", str(self.step + 1))  # read by trace-restarted ranks
             if decision.joiners:
                 self._pending = (decision.next_generation, sorted(set(self.members) | set(decision.joiners)))
-            p = self.plan()
+            ran = self._micro_batches_run()
+            if self._budget is not None:  # what this rank chose, and the attention divisor that followed
+                record = {**record, "exact_attention": self._exact_attention_count(), "divisor_mha": self.last_divisor_mha}
             self.steps_log.write(
                 "step", step=self.step, generation=self.generation, live=list(self.members),
                 cover={str(k): v for k, v in self._cover.cover.items()}, degraded=self._cover.degraded,
-                micro_batches=[[m.replica, m.index, m.covering] for m in p.micro_batches],
+                micro_batches=[[m.replica, m.index, m.covering] for m in ran],
                 step_time_s=time.monotonic() - self._t_step, **record,
             )
             if decision.joiners:

@@ -29,13 +29,14 @@ from megatron_mecefo.elastic import groups
 __all__ = ["reduce_scatter_with_divisors"]
 
 
-def reduce_scatter_with_divisors(sharded, group, stats: Sequence[float], *, scale: Callable[[torch.Tensor], float],
+def reduce_scatter_with_divisors(sharded, group, stats: Sequence[float], *,
+                                 scale: Callable[[torch.Tensor, List[float]], float],
                                  attr: str = "grad", should_abort: Optional[Callable[[], bool]] = None) -> List[float]:
     """Reduce-scatter the SUMMED gradients of `sharded.sources` (and `stats`) over `group`; divide.
 
     Args:
         sharded: the ShardedOptimizer of this position, installed in the generation of `group`.
-        scale: a parameter -> its divisor's reciprocal (gradients.divisor_scale).
+        scale: (a parameter, the summed stats) -> its divisor's reciprocal (gradients.divisor_scale).
         attr: "grad" or "main_grad" (Megatron's DDP buffers, written in place).
         should_abort: polled while waiting (groups.wait_).
 
@@ -59,6 +60,8 @@ def reduce_scatter_with_divisors(sharded, group, stats: Sequence[float], *, scal
         chunks.append(chunk)
     out = _reduce_scatter(group, chunks, replicas.index(mine), should_abort)
     del chunks
+    summed = out[width:].cpu().tolist()
+    scale_of = lambda p: scale(p, summed)  # noqa: E731
     own_a, own_b = layout.shard(mine)
     held = {"shard": (own_a, own_b, out[:own_b - own_a])}
     owner = layout.copy_of(mine)
@@ -75,14 +78,14 @@ def reduce_scatter_with_divisors(sharded, group, stats: Sequence[float], *, scal
     sq = torch.zeros(len(sharded.sources), dtype=torch.float64, device=device)
     scaled = {}
     for name, (a, b, values) in held.items():
-        scaled[name] = (a, sharded.scale_by_source(a, b, values, scale))
+        scaled[name] = (a, sharded.scale_by_source(a, b, values, scale_of))
     a, values = scaled["shard"]
     sharded.sq_by_source(a, values, out=sq)  # this rank's shard only: every element counted once
     groups.allreduce_sum_(group, sq, should_abort=should_abort)
     sharded.write_sources(attr, list(scaled.values()))
     sq = sq.cpu().tolist()
     sharded.grad_sq = {id(t): v for ts in (sharded.sources, sharded.params) for t, v in zip(ts, sq)}
-    return out[width:].cpu().tolist()
+    return summed
 
 
 def _reduce_scatter(group, chunks: List[torch.Tensor], me: int, should_abort) -> torch.Tensor:

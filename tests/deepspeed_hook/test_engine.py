@@ -137,7 +137,7 @@ def _tiny_gpt_module():
 
 
 @pytest.mark.fault
-@pytest.mark.parametrize("case", ["paper", "floor_activation"])
+@pytest.mark.parametrize("case", ["paper", "floor_activation", "budget"])
 def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world, case):
     """With the approximations on, the gradient the survivors apply at a degraded step is MeCeFO's,
     recomputed here in one process from the same weights and data: the covering rank's own and
@@ -147,13 +147,22 @@ def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world, cas
     "paper": 3 ranks, one killed (the paper's rule). "floor_activation": 4 ranks, two killed in one
     step, so both survivors cover and the paper's rule would leave attention no gradient; with
     attention_floor 0.5 each survivor keeps its own micro-batches' attention backward, and the
-    low-rank FFN gradient takes each micro-batch's own input directions (basis "activation")."""
+    low-rank FFN gradient takes each micro-batch's own input directions (basis "activation").
+    "budget": 3 ranks, one killed, covering_budget 10: after its first covering step (which measures
+    the covering cost) the covering rank can afford its own micro-batches exact and runs them so;
+    the attention divisor follows from the counts the members report."""
+    import dataclasses
+
     from megatron_mecefo.elastic import Grid, fold_neighbor, ring_cover, reference_gradient, sample_range
+    from megatron_mecefo.elastic.fold import Fold
     from megatron_mecefo.params import GradGroup, grad_group
 
     step = 4  # the survivors cover from step 2; with tau = 2 the weight basis is recomputed at step 4 from these weights
     if case == "paper":
         world, survivors, options, extra = 3, [0, 2], {}, ["--mecefo-inject", "kill:1:2:backward"]
+    elif case == "budget":
+        world, survivors, options = 3, [0, 2], {}
+        extra = ["--mecefo-inject", "kill:1:2:backward", "--mecefo-covering-budget", "10"]
     else:
         world, survivors, options = 4, [0, 2], {"attention_floor": 0.5, "basis": "activation"}
         extra = ["--mecefo-inject", "kill:1:2:backward", "--mecefo-inject", "kill:3:2:backward",
@@ -170,7 +179,14 @@ def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world, cas
             p.copy_(dumps[0]["params"][name])
     cfg = MeCeFOConfig(enable=True, **train.MECEFO, **options)
     fold = fold_neighbor(ring_cover(Grid(dp=world), survivors), 2, attention_floor=cfg.attention_floor)
-    assert fold.divisor_mha == (2 if case == "paper" else 4)  # the healthy replica's k / the floor: half of 4 x k
+    assert fold.divisor_mha == (4 if case == "floor_activation" else 2)  # the healthy replica's k / the floor: half of 4 x k
+    if case == "budget":  # rank 2's own two micro-batches ran exact (its record says so), the adopted two covering
+        record = next(r for r in steps(tmp_path, world)[step] if r["live"] and r.get("divisor_mha") is not None
+                      and [m[0] for m in r["micro_batches"]] == [2, 2, 1, 1])
+        assert record["micro_batches"] == [[2, 0, False], [2, 1, False], [1, 0, True], [1, 1, True]], record
+        assert record["exact_attention"] == 2 and record["divisor_mha"] == 4
+        fold = Fold({0: fold.assignments[0], 2: tuple(dataclasses.replace(m, covering=m.replica == 1)
+                                                      for m in fold.assignments[2])}, divisor=6, divisor_mha=4)
 
     def loss_of(m):
         tokens, pos, labels = train.batch(sample_range(step, m.replica, m.index, micro_batch_size=2, dp=world, k=2))

@@ -229,7 +229,7 @@ def rs_worker(rank, port, world, neighbour, out):
     whole = [p.grad.clone() for p in sharded.params]  # the layout's order: the optimizer's groups
     local()
     scattered_stats = reduce_scatter_with_divisors(sharded, group, [1.0 + rank, 2.0], attr="grad",
-                                                   scale=lambda p: divisor_scale(p, 6, 4))
+                                                   scale=lambda p, _stats: divisor_scale(p, 6, 4))
     torch.save({"stats": (stats, scattered_stats), "whole": whole, "got": [p.grad.clone() for p in sharded.params],
                 "sq": [sharded.grad_norm_sq(p) for p in sharded.params],
                 "held": [(a, b) for a, b in sharded.layout.held(rank).values()]}, os.path.join(out, f"rank{rank}.pt"))
