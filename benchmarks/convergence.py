@@ -38,6 +38,12 @@ Both write benchmarks/results/convergence.{json,png}.
 
     python benchmarks/convergence.py --shard-loss                     # ~16 min; convergence_shard_loss.json
 
+What the exact-attention floor does when half the job is down: 4 ranks, ranks 1 and 3 down together
+for the middle `--two-down-steps` steps, so both survivors cover and the paper's rule leaves
+attention no exact gradient at all; against the same with `attention_floor: 0.5`.
+
+    python benchmarks/convergence.py --two-of-four --lr 1e-3          # ~8 min; convergence_two_of_four.json
+
 What `on_shard_loss: "reinit"` costs: the optimizer state sharded (ds_config zero stage 1) with no
 neighbour copy, so each kill loses the victim's shard, rebuilt with fresh moments and step count;
 one and two kills during the run, against the fault-free sharded run and against the same two kills
@@ -206,11 +212,17 @@ def main(argv=None):
     p.add_argument("--best", default="high_activation", choices=list(SCENARIOS),
                    help="the variant reported as rel_diff_high_best (beside the paper's rule, rel_diff_high_paper)")
     p.add_argument("--noise-step", type=int, default=25, help="the step whose loss the noise control scales by 1.001")
+    p.add_argument("--two-of-four", action="store_true", help="measure the exact-attention floor instead (see above)")
+    p.add_argument("--two-down-steps", type=int, default=120, help="--two-of-four: steps both ranks stay down")
     args = p.parse_args(argv)
-    name = "convergence_shard_loss.json" if args.shard_loss else "convergence.json"
+    command = "python benchmarks/convergence.py " + " ".join(sys.argv[1:] if argv is None else argv)  # before sys.argv is reused
+    name = ("convergence_shard_loss.json" if args.shard_loss else
+            "convergence_two_of_four.json" if args.two_of_four else "convergence.json")
     args.out = args.out or ROOT / "benchmarks" / "results" / name
     if args.shard_loss:
         return shard_loss(args)
+    if args.two_of_four:
+        return two_of_four(args)
     runs = {}
     scenarios = {name: SCENARIOS[name] for name in args.scenarios}
     # on the first seed only, the high-rate trace with every approximation off (the exact fold):
@@ -252,7 +264,7 @@ def main(argv=None):
 
     train_diffs = {name: {seed: tail(r) / tail(runs["fault_free"][seed]) - 1 for seed, r in runs[name].items()} for name in runs}
     out = {
-        "date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/convergence.py " + " ".join(argv or sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"), "command": command,
         "setup": {"job": "examples/pretrain_gpt/pretrain_gpt.py " + " ".join(MODEL + lr_flags(args)), "ranks": args.ranks,
                   "global_batch_size": args.global_batch_size, "mecefo_rank": args.mecefo_rank,
                   "iters": args.iters, "seeds": args.seeds,
@@ -325,6 +337,32 @@ def shard_loss(args):
                      "approximations off)", "ranks": args.ranks, "iters": args.iters, "seeds": args.seeds,
                      "global_batch_size": args.global_batch_size, "kills": {"one": one, "two": two}},
            **{f"val_loss_{n}": sum(r["val_loss"] for r in runs[n].values()) / len(runs[n]) for n in runs},
+           **{f"rel_diff_{n}": sum(v.values()) / len(v) for n, v in diffs.items()},
+           **{f"rel_diff_{n}_per_seed": v for n, v in diffs.items()},
+           "runs": runs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(json.dumps({k: v for k, v in out.items() if k not in ("runs", "setup")}, indent=2))
+
+
+def two_of_four(args):
+    """Validation loss with two of four replicas down together: the paper's rule vs the floor."""
+    args.ranks = 4
+    first = (args.iters - args.two_down_steps) // 2
+    events = [[1, first, first + args.two_down_steps], [3, first, first + args.two_down_steps]]
+    jobs = {"fault_free": [], "paper": ["--mecefo-trace", json.dumps({"events": events})],
+            "floor_0.5": ["--mecefo-trace", json.dumps({"events": events}), "--mecefo-attention-floor", "0.5"]}
+    runs = {}
+    with tempfile.TemporaryDirectory() as d:
+        for seed in args.seeds:
+            for name, extra in jobs.items():
+                r = runs.setdefault(name, {})[str(seed)] = run(args, Path(d) / f"{name}_{seed}", extra, seed)
+                print(f"seed {seed} {name}: val {r['val_loss']:.4f}, down {r['fraction_down']:.3f} ({r['wall_s']:.0f} s)", flush=True)
+    ff = {seed: r["val_loss"] for seed, r in runs["fault_free"].items()}
+    diffs = {n: {seed: (r["val_loss"] - ff[seed]) / ff[seed] for seed, r in runs[n].items()} for n in runs if n != "fault_free"}
+    out = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/convergence.py --two-of-four " + f"--lr {args.lr}",
+           "setup": {"job": "examples/pretrain_gpt/pretrain_gpt.py " + " ".join(MODEL + lr_flags(args)), "ranks": 4,
+                     "iters": args.iters, "seeds": args.seeds, "global_batch_size": args.global_batch_size, "events": events},
            **{f"rel_diff_{n}": sum(v.values()) / len(v) for n, v in diffs.items()},
            **{f"rel_diff_{n}_per_seed": v for n, v in diffs.items()},
            "runs": runs}

@@ -196,15 +196,16 @@ class LowRankProjector:
 
 
 def projector_for(owner, policy) -> LowRankProjector:
-    """The projector cached on `owner` (a linear layer) for `policy`'s settings, made anew when they
-    change. It lives in `owner._mecefo_projector`, so each weight (shard) keeps its own basis."""
-    p = getattr(owner, "_mecefo_projector", None)
-    if p is None or (p.rank, p.tau, p.svd_method, p.exact_max_dim, p.source) != (
-        policy.rank, policy.tau, policy.svd_method, policy.svd_exact_max_dim, policy.basis,
-    ):
-        p = LowRankProjector(policy.rank, policy.tau, svd_method=policy.svd_method,
-                             exact_max_dim=policy.svd_exact_max_dim, basis=policy.basis)
-        owner._mecefo_projector = p
+    """The projector cached on `owner` (a linear layer) for `policy`'s settings, made on first use.
+    One per settings, so micro-batches under different policies (a benchmark's cases, a changed
+    configuration) do not throw away each other's bases; `owner._mecefo_projector` is the last used."""
+    key = (policy.rank, policy.tau, policy.svd_method, policy.svd_exact_max_dim, policy.basis)
+    cache = owner.__dict__.setdefault("_mecefo_projectors", {})
+    p = cache.get(key)
+    if p is None:
+        p = cache[key] = LowRankProjector(policy.rank, policy.tau, svd_method=policy.svd_method,
+                                          exact_max_dim=policy.svd_exact_max_dim, basis=policy.basis)
+    owner._mecefo_projector = p
     return p
 
 

@@ -148,6 +148,18 @@ def test_activation_basis_projects_on_each_linears_own_input(tiny_config):
         assert not torch.allclose(cov[name], exact[name], atol=1e-4), name
 
 
+def test_switching_policies_keeps_each_basis(tiny_config):
+    """A micro-batch under another policy (here the activation basis) does not throw away the weight
+    basis: back under the first policy, no new SVD is made before tau steps."""
+    model = _model(tiny_config)
+    weight, activation = CoverPolicy(step=0, **LOWRANK_ONLY), CoverPolicy(step=0, basis="activation", **LOWRANK_ONLY)
+    for policy in (weight, activation, weight, activation):
+        _grads_under(model, make_batch(1), policy)
+    for name, lin in lowrank_linears(model):
+        by_source = {p.source: p for p in lin._mecefo_projectors.values()}
+        assert by_source["weight"].num_refreshes == 1 and by_source["activation"].num_refreshes == 0, name
+
+
 def test_basis_refreshed_every_tau_steps(tiny_config):
     model = _model(tiny_config)
     policy = dict(LOWRANK_ONLY, tau=4)
