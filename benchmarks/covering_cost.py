@@ -231,6 +231,8 @@ def main(argv=None):
         "default_adopted_only": [(a, None), (b, default_policy)],
         # basis "activation": the low-rank FFN gradient on each micro-batch's own input directions
         "default_activation_basis": [(a, activation_policy), (b, activation_policy)],
+        # attention_floor: the own micro-batch keeps its attention backward, the adopted one skips it
+        "default_floor_own_attention": [(a, dataclasses.replace(default_policy, skip_attention=False)), (b, default_policy)],
     }
 
     # exact reference gradients of A+B (sequential accumulation)
@@ -309,6 +311,11 @@ def main(argv=None):
             "mem_ratio_vs_normal": results["default_activation_basis"]["mem_ratio"],
             "rel_grad_error": results["default_activation_basis"]["rel_grad_error"],
             "rel_grad_error_ffn": results["default_activation_basis"]["rel_grad_error_ffn"],
+        },
+        "floor_own_attention": {
+            "config": "default with the own micro-batch's attention backward kept (what attention_floor does to it)",
+            "time_ratio_vs_normal": results["default_floor_own_attention"]["time_ratio"],
+            "mem_ratio_vs_normal": results["default_floor_own_attention"]["mem_ratio"],
         },
         # the names: the paper's rule (the default) and the candidate, side by side in this run
         "time_ratio_covering_vs_normal_paper": results[default_name]["time_ratio"],
