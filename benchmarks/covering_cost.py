@@ -288,35 +288,15 @@ def main(argv=None):
         "mem_ratio_naive_vs_normal": results["naive"]["mem_ratio"],
         "lowrank_dw_time_ratio": kernel_ratio,
         "rel_grad_error": results[default_name]["rel_grad_error"],
-        "paper_faithful": {
-            "config": paper,
-            "time_ratio_vs_normal": results[paper]["time_ratio"],
-            "mem_ratio_vs_normal": results[paper]["mem_ratio"],
-            "rel_grad_error": results[paper]["rel_grad_error"],
-        },
-        "default_doubled_batch": {
-            "config": "default with adopted micro-batch merged into one doubled batch: recompute_ffn='auto' -> on",
-            "time_ratio_vs_normal": results["default_doubled_batch"]["time_ratio"],
-            "mem_ratio_vs_normal": results["default_doubled_batch"]["mem_ratio"],
-        },
-        "adopted_only": {
-            "config": 'default with approximate: "adopted" (own micro-batch exact, adopted one approximated)',
-            "time_ratio_vs_normal": results["default_adopted_only"]["time_ratio"],
-            "mem_ratio_vs_normal": results["default_adopted_only"]["mem_ratio"],
-            "rel_grad_error": results["default_adopted_only"]["rel_grad_error"],
-        },
-        "activation_basis": {
-            "config": 'default with basis: "activation" (range finder on each micro-batch\'s FFN input)',
-            "time_ratio_vs_normal": results["default_activation_basis"]["time_ratio"],
-            "mem_ratio_vs_normal": results["default_activation_basis"]["mem_ratio"],
-            "rel_grad_error": results["default_activation_basis"]["rel_grad_error"],
-            "rel_grad_error_ffn": results["default_activation_basis"]["rel_grad_error_ffn"],
-        },
-        "floor_own_attention": {
-            "config": "default with the own micro-batch's attention backward kept (what attention_floor does to it)",
-            "time_ratio_vs_normal": results["default_floor_own_attention"]["time_ratio"],
-            "mem_ratio_vs_normal": results["default_floor_own_attention"]["mem_ratio"],
-        },
+        "paper_faithful": summary(results, paper, paper),
+        "default_doubled_batch": summary(results, "default_doubled_batch", "default with adopted micro-batch merged "
+                                         "into one doubled batch: recompute_ffn='auto' -> on"),
+        "adopted_only": summary(results, "default_adopted_only", 'default with approximate: "adopted" (own micro-batch '
+                                "exact, adopted one approximated)"),
+        "activation_basis": summary(results, "default_activation_basis", 'default with basis: "activation" (range '
+                                    "finder on each micro-batch's FFN input)"),
+        "floor_own_attention": summary(results, "default_floor_own_attention", "default with the own micro-batch's "
+                                       "attention backward kept (what attention_floor does to it)"),
         # the issue's names: the paper's rule (the default) and the candidate, side by side in this run
         "time_ratio_covering_vs_normal_paper": results[default_name]["time_ratio"],
         "time_ratio_covering_vs_normal_best": results["default_activation_basis"]["time_ratio"],
@@ -337,6 +317,13 @@ def main(argv=None):
     print_table(out)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return out
+
+
+def summary(results, name, config):
+    """A case's ratios and errors under the description of its configuration."""
+    r = results[name]
+    return {"config": config, "time_ratio_vs_normal": r["time_ratio"], "mem_ratio_vs_normal": r["mem_ratio"],
+            "rel_grad_error": r["rel_grad_error"], "rel_grad_error_ffn": r["rel_grad_error_ffn"]}
 
 
 def _fmt(x, spec=".3f"):
