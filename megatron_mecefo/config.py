@@ -96,9 +96,11 @@ class MeCeFOConfig:
     """Steps between refreshes of each FFN weight's projection basis (also computed on first use)."""
     basis: str = "weight"
     """Input directions of the low-rank FFN weight gradient: "weight" (the paper: top-r right singular
-    vectors of W, refreshed every tau steps) or "activation" (the dominant directions of each covering
+    vectors of W, refreshed every tau steps), "activation" (the dominant directions of each covering
     micro-batch's own FFN input, drawn per micro-batch by a randomized range finder; 2-3x lower error
-    at the same r on a trained model, see docs/results.md)."""
+    at the same r on a trained model, see docs/results.md), or "gradient" (top-r right singular vectors
+    of W's aggregated gradient of the last step without covering, refreshed at every such step and
+    every tau steps while covering; not with a sharded optimizer)."""
     svd_method: str = "auto"
     """How the weight basis is computed: "exact" (torch.linalg.svd), "randomized" (torch.svd_lowrank), or
     "auto" = exact when min(out, in) <= svd_exact_max_dim, randomized above."""

@@ -26,7 +26,7 @@ def test_defaults_are_the_documented_ones():
         ("svd_method", "qr", r"--mecefo-svd-method must be one of 'auto', 'exact', 'randomized', got 'qr'"),
         ("recompute_ffn", "sometimes", r"--mecefo-recompute-ffn must be one of 'auto', 'always', 'never'"),
         ("approximate", "own", r"--mecefo-approximate must be one of 'all', 'adopted'"),
-        ("basis", "gradient", r'"basis" .* --mecefo-basis must be one of \'weight\', \'activation\', got \'gradient\''),
+        ("basis", "output", r'"basis" .* --mecefo-basis must be one of \'weight\', \'activation\', \'gradient\', got \'output\''),
         ("attention_floor", 1.5, r'"attention_floor" .* --mecefo-attention-floor must be a number in \[0, 1\], got 1.5'),
         ("covering_budget", 1.0, r'"covering_budget" .* --mecefo-covering-budget must be a number > 1'),
         ("enable", "yes", r'"enable" .* --mecefo must be true or false'),
@@ -67,8 +67,9 @@ def test_basis_flag_reaches_the_cover_policy():
     c = MeCeFOConfig.from_args(parser.parse_args(["--mecefo", "--mecefo-basis", "activation"]), {"basis": "weight"})
     assert c.cover_policy(3).basis == "activation"
     assert MeCeFOConfig.from_ds_config({"basis": "activation"}).cover_policy(0).basis == "activation"
+    assert MeCeFOConfig.from_ds_config({"basis": "gradient"}).cover_policy(0).basis == "gradient"
     with pytest.raises(SystemExit):  # argparse's choices
-        parser.parse_args(["--mecefo-basis", "gradient"])
+        parser.parse_args(["--mecefo-basis", "output"])
 
 
 def test_cover_policy_recompute_auto_follows_live_microbatches():

@@ -86,8 +86,9 @@ def main():
     p.add_argument("--local_rank", "--local-rank", type=int, default=0, help="set by the deepspeed launcher")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of fake compute per micro-batch")
-    p.add_argument("--dump-step", type=int, default=None,
-                   help="save the parameters and the reduced gradients just before this step's optimizer update")
+    p.add_argument("--dump-step", type=int, nargs="+", action="extend", default=[],
+                   help="save the parameters and the reduced gradients just before these steps' optimizer updates "
+                        "(OUT/dump_rank{R}_step{S}.pt)")
     MeCeFOConfig.add_cli_args(p)
     args = p.parse_args()
     from megatron_mecefo.deepspeed_hook import init_distributed, initialize, param_digest
@@ -112,13 +113,13 @@ def main():
         engine = initialize(model=model, config=ds_config, args=args, train_iters=args.steps,
                             save_dir=str(args.out / "checkpoint"))
         world, k, mb_size = job.world, engine.runtime.k, engine.micro_batch_size
-        if args.dump_step is not None:
+        if args.dump_step:
             def dump(optimizer, *_):  # runs inside the optimizer step: p.grad is the reduced gradient
-                if engine.global_steps == args.dump_step:
+                if engine.global_steps in args.dump_step:
                     m = engine.module
                     torch.save({"params": {n: q.detach().clone() for n, q in m.named_parameters()},
                                 "grads": {n: q.grad.detach().clone() for n, q in m.named_parameters()}},
-                               args.out / f"dump_rank{job.rank}.pt")
+                               args.out / f"dump_rank{job.rank}_step{engine.global_steps}.pt")
             engine.optimizer.register_step_pre_hook(dump)
         t_last, degraded = time.monotonic(), False
         while engine.global_steps < args.steps:

@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 SVD_METHODS = ("auto", "exact", "randomized")
-BASES = ("weight", "activation")
+BASES = ("weight", "activation", "gradient")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,8 +53,9 @@ class CoverPolicy:
     lowrank_ffn: bool = True
     """FFN weight gradients projected onto `rank` input directions (MeCeFO §3.3)."""
     basis: str = "weight"
-    """Those directions: "weight" (top right singular vectors of W, the paper) or "activation"
-    (the dominant directions of the micro-batch's own FFN input)."""
+    """Those directions: "weight" (top right singular vectors of W, the paper), "activation"
+    (the dominant directions of the micro-batch's own FFN input) or "gradient" (top right singular
+    vectors of W's last aggregated gradient, see projector.py)."""
     rank: int = 64
     """Rank r of the projection; must be < min(out, in) of every (local) FFN weight."""
     tau: int = 200

@@ -9,6 +9,14 @@ directions V (in, r). Two sources of V (`basis`):
   micro-batch by a randomized range finder. G_W's rows are combinations of x's rows, so this is
   the subspace that matters; on a trained model its error is 2-3x lower than W's at the same r
   (benchmarks/lowrank_basis.py). Costs about 3 x tokens x in x r multiply-adds per micro-batch.
+* "gradient": the top-r right singular vectors of W's aggregated gradient, which every rank holds
+  after the all-reduce. The step driver shows each projector that gradient after every committed
+  step (`observe_gradient`): a step without covering anywhere (exact) always refreshes V, so a rank
+  that starts covering projects on the last exact step's gradient; a step with covering refreshes
+  it only every `tau` steps (its gradient is partly projected on V already). A randomized SVD
+  (q = r + 8, one power iteration: about 4 x out x in x q multiply-adds per FFN weight) per exact
+  step, so this basis costs a little on healthy steps too. Until a gradient has been seen (start of
+  training, a rank that rejoined) W's basis stands in.
 
 The projector owns V and when to recompute it. It knows nothing of autograd (see lowrank_grad.py)
 or of distribution: under tensor parallelism each rank projects with a basis of its own shard's
@@ -23,7 +31,8 @@ import torch
 
 from megatron_mecefo.approx.mode import BASES, SVD_METHODS
 
-__all__ = ["BASES", "LowRankProjector", "check_rank", "input_subspace", "projector_for", "top_right_singular_vectors"]
+__all__ = ["BASES", "LowRankProjector", "check_rank", "input_subspace", "observe_gradients", "projector_for",
+           "top_right_singular_vectors"]
 
 
 def top_right_singular_vectors(
@@ -96,7 +105,7 @@ class LowRankProjector:
         svd_method: 'exact', 'randomized' or 'auto' (exact when min(out, in) <= exact_max_dim).
         exact_max_dim: threshold of 'auto'.
         seed: seed of the randomized SVD's (and the range finder's) private RNG stream.
-        basis: "weight" or "activation" (see the module docstring).
+        basis: "weight", "activation" or "gradient" (see the module docstring).
         niter: power iterations of the activation basis's range finder.
     """
 
@@ -130,6 +139,8 @@ class LowRankProjector:
         self.basis: Optional[torch.Tensor] = None  # V: (in, r)
         self.last_refresh_step: Optional[int] = None
         self.num_refreshes = 0
+        self.from_gradient = False
+        """True when V comes from an observed gradient (basis "gradient"); False: from W."""
 
     def needs_refresh(self, step: int) -> bool:
         """True when no basis exists, `tau` steps have passed, or the step went backwards (reload)."""
@@ -140,10 +151,14 @@ class LowRankProjector:
     @torch.no_grad()
     def maybe_refresh(self, weight: torch.Tensor, step: int) -> bool:
         """Recompute V from `weight` if due at `step` (weight basis; the activation basis only
-        notes the step, which seeds its draw). Returns True when it was recomputed."""
+        notes the step, which seeds its draw; the gradient basis uses W's only until it has seen a
+        gradient). Returns True when it was recomputed."""
         self.step = step
-        if self.source == "activation" or not self.needs_refresh(step):
+        if self.source == "activation" or (self.from_gradient and step >= self.last_refresh_step):
             return False
+        if not self.needs_refresh(step):
+            return False
+        self.from_gradient = False
         self.basis = top_right_singular_vectors(
             weight,
             self.rank,
@@ -152,6 +167,26 @@ class LowRankProjector:
             seed=self.seed + step,
         )
         self.last_refresh_step = step
+        self.num_refreshes += 1
+        return True
+
+    @torch.no_grad()
+    def observe_gradient(self, grad: torch.Tensor, step: int, *, exact: bool) -> bool:
+        """Show the gradient basis W's aggregated gradient `grad` (out, in) of committed step `step`
+        (`exact`: no micro-batch of the job ran in covering mode). Returns True when V was recomputed."""
+        if self.source != "gradient":
+            return False
+        if not exact and self.from_gradient and step - self.last_refresh_step < self.tau:
+            return False
+        g = grad.detach().float()
+        q = min(self.rank + 8, min(g.shape))  # check_rank: rank < min(out, in)
+        devices = [g.device] if g.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # the training RNG is untouched
+            torch.manual_seed(self.seed + step)
+            _, _, v = torch.svd_lowrank(g, q=q, niter=1)
+        self.basis = v[:, :self.rank].to(grad.dtype).contiguous()
+        self.last_refresh_step = step
+        self.from_gradient = True
         self.num_refreshes += 1
         return True
 
@@ -176,7 +211,7 @@ class LowRankProjector:
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """Tensor-only state (safe for torch.save / distributed checkpoint)."""
-        state = {"num_refreshes": torch.tensor(self.num_refreshes)}
+        state = {"num_refreshes": torch.tensor(self.num_refreshes), "from_gradient": torch.tensor(self.from_gradient)}
         if self.basis is not None:
             state["basis"] = self.basis
             state["last_refresh_step"] = torch.tensor(self.last_refresh_step)
@@ -184,6 +219,7 @@ class LowRankProjector:
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
         self.num_refreshes = int(state["num_refreshes"])
+        self.from_gradient = bool(state.get("from_gradient", False))
         if "basis" in state:
             basis = state["basis"]
             if basis.dim() != 2 or basis.shape[1] != self.rank:
@@ -207,6 +243,21 @@ def projector_for(owner, policy) -> LowRankProjector:
                                           exact_max_dim=policy.svd_exact_max_dim, basis=policy.basis)
     owner._mecefo_projector = p
     return p
+
+
+@torch.no_grad()
+def observe_gradients(module: torch.nn.Module, policy, step: int, *, exact: bool, grad_attr: str = "grad") -> int:
+    """Show the "gradient" projector of every low-rank linear in `module` (a module whose class sets
+    `mecefo_lowrank = True`) its weight's aggregated gradient of committed step `step`, read from
+    `weight.<grad_attr>`. A no-op for the other bases. Returns how many bases were recomputed."""
+    if policy.basis != "gradient":
+        return 0
+    done = 0
+    for m in module.modules():
+        grad = getattr(m.weight, grad_attr, None) if getattr(type(m), "mecefo_lowrank", False) else None
+        if grad is not None:
+            done += projector_for(m, policy).observe_gradient(grad, step, exact=exact)
+    return done
 
 
 def check_rank(rank: int, weights, *, key: str = "mecefo.rank") -> None:

@@ -146,6 +146,10 @@ class ElasticRuntime:
             # decide from its own clock
             raise ValueError(f'mecefo "covering_budget" needs tensor and pipeline parallel size 1 (got tp '
                              f"{self.grid.tp}, pp {self.grid.pp}); leave it unset (the fold's modes) there")
+        if config.enable and config.basis == "gradient" and sharding is not None:
+            raise ValueError('mecefo "basis": "gradient" needs every weight\'s aggregated gradient on every rank; '
+                             "a sharded optimizer (ZeRO stage 1, --use-distributed-optimizer) reduces each rank's "
+                             'range only: use "weight" or "activation" there')
         self.position = self.grid.position(rank)
         self.k = micro_batches
         self.incarnation = incarnation

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Typ
 import torch
 
 from megatron_mecefo.approx.mode import CoverPolicy, covering
+from megatron_mecefo.approx.projector import observe_gradients
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic.bootstrap import param_digest
 from megatron_mecefo.elastic.fold import MicroBatch, micro_batch_policy
@@ -195,6 +196,9 @@ class StepDriver:
             return False
         self.last_loss = loss
         self.committed = plan.step + 1
+        if self.cfg.enable and self.cfg.lowrank_ffn and self.cfg.basis == "gradient":  # every rank holds the aggregate now
+            observe_gradients(self.host.module, self.cfg.cover_policy(plan.step, live_microbatches=self._live_microbatches),
+                              plan.step, exact=not plan.degraded, grad_attr=self.host.grad_attr)
         self.fire("optimizer")
         if self.host.before_optimizer is not None:
             with self.runtime.replica_collectives(plan.step):

@@ -48,6 +48,7 @@ class _LowRankMixin:
     """Shared covering-mode matmul of the two low-rank linears."""
 
     _mecefo_projector: Optional[LowRankProjector] = None
+    mecefo_lowrank = True  # approx.projector.observe_gradients finds the FFN linears by this
 
     def mecefo_projector(self, policy: CoverPolicy) -> LowRankProjector:
         """The projector of this layer's weight for `policy`'s settings (created on first use)."""

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from megatron_mecefo.approx import lowrank_linear
-from megatron_mecefo.approx.projector import LowRankProjector, input_subspace, top_right_singular_vectors
+from megatron_mecefo.approx.projector import (LowRankProjector, input_subspace, observe_gradients, projector_for,
+                                               top_right_singular_vectors)
 
 pytestmark = pytest.mark.unit
 
@@ -177,4 +178,80 @@ def test_activation_basis_draws_per_step_and_never_refreshes_from_the_weight():
     p.maybe_refresh(w, 1)
     assert torch.equal(first, again) and not torch.equal(first, p.basis_for(x))
     with pytest.raises(ValueError, match="basis must be one of"):
-        LowRankProjector(4, 1, basis="gradient")
+        LowRankProjector(4, 1, basis="output")
+
+
+# -- the gradient basis --------------------------------------------------------------------------
+
+
+def test_gradient_basis_of_a_rank_r_gradient_reproduces_it_exactly():
+    """V = top right singular vectors of the observed aggregate G: a micro-batch whose inputs lie in
+    G's row space (as G's own micro-batches do when G has rank <= r) gets its exact gradient."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 32, generator=g)
+    rows = torch.randn(6, 32, generator=g)  # G's row space: rank 6 <= r = 8
+    aggregate = torch.randn(24, 6, generator=g) @ rows
+    p = LowRankProjector(8, 100, basis="gradient")
+    assert p.observe_gradient(aggregate, 3, exact=True) and p.from_gradient
+    torch.testing.assert_close(aggregate @ p.basis @ p.basis.T, aggregate, rtol=1e-4, atol=1e-4)
+    x = (torch.randn(2, 10, 6, generator=g) @ rows)  # a micro-batch from the same row space
+    got, exact = _lowrank_wgrad(x, w, p, step=4)
+    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4)
+    # V spans G's top right singular vectors (a full-rank G: compare with the exact SVD's)
+    full = _decaying(40, 32, seed=6)
+    p.observe_gradient(full, 5, exact=True)
+    top = top_right_singular_vectors(full, 8, method="exact")
+    assert torch.linalg.norm(top.T @ p.basis @ p.basis.T @ top - torch.eye(8)) < 1e-2
+    by_weight, _ = _lowrank_wgrad(x, w, LowRankProjector(8, 100, basis="weight", svd_method="exact"))
+    assert torch.linalg.norm(by_weight - exact) > 0.3 * torch.linalg.norm(exact)
+
+
+def test_gradient_basis_refresh_rules():
+    """W's basis until a gradient is seen; an exact step's gradient always replaces V; during
+    covering (inexact aggregates) only every tau steps; a step that went back (a reload) falls back to W."""
+    w, gen = torch.randn(20, 16), torch.Generator().manual_seed(7)
+    grads = [torch.randn(20, 16, generator=gen) for _ in range(4)]
+    p = LowRankProjector(4, 3, basis="gradient", svd_method="exact")
+    assert p.maybe_refresh(w, 0) and not p.from_gradient
+    torch.testing.assert_close(p.basis, top_right_singular_vectors(w, 4, method="exact"))
+    state = torch.get_rng_state()
+    assert p.observe_gradient(grads[0], 1, exact=True) and p.from_gradient
+    assert torch.equal(torch.get_rng_state(), state), "the randomized SVD draws from a private stream"
+    v1 = p.basis.clone()
+    assert not p.maybe_refresh(w, 2) and torch.equal(p.basis, v1), "covering keeps the gradient's basis"
+    assert not p.observe_gradient(grads[1], 2, exact=False) and torch.equal(p.basis, v1)
+    assert not p.observe_gradient(grads[1], 3, exact=False)
+    assert p.observe_gradient(grads[2], 4, exact=False), "tau = 3 steps since step 1"
+    assert p.observe_gradient(grads[3], 5, exact=True)
+    assert p.maybe_refresh(w, 2) and not p.from_gradient, "a reload to an earlier step"
+    assert not LowRankProjector(4, 3, basis="weight").observe_gradient(grads[0], 1, exact=True)
+
+
+def test_observe_gradients_finds_the_marked_linears_and_reads_the_hosts_gradient():
+    class Marked(torch.nn.Linear):
+        mecefo_lowrank = True
+
+    from megatron_mecefo.approx import CoverPolicy
+
+    model = torch.nn.Sequential(Marked(16, 12), torch.nn.Linear(12, 12), Marked(12, 16))
+    for m in model:
+        m.weight.main_grad = torch.randn_like(m.weight)
+    policy = CoverPolicy(step=7, rank=4, tau=10, basis="gradient")
+    assert observe_gradients(model, policy, 7, exact=True) == 0, "no .grad yet"
+    assert observe_gradients(model, policy, 7, exact=True, grad_attr="main_grad") == 2
+    for m in (model[0], model[2]):
+        p = projector_for(m, policy)
+        assert p.from_gradient and p.last_refresh_step == 7 and p.basis.shape == (m.in_features, 4)
+    assert not hasattr(model[1], "_mecefo_projectors")
+    weight_policy = CoverPolicy(step=7, rank=4, tau=10)
+    assert observe_gradients(model, weight_policy, 7, exact=True, grad_attr="main_grad") == 0
+
+
+def test_the_runtime_refuses_the_gradient_basis_with_a_sharded_optimizer():
+    """A sharded optimizer reduces each rank's range only: no rank holds a whole aggregated gradient."""
+    from megatron_mecefo.config import MeCeFOConfig
+    from megatron_mecefo.elastic.runtime import ElasticRuntime
+
+    with pytest.raises(ValueError, match='"basis": "gradient" needs every weight\'s aggregated gradient'):
+        ElasticRuntime(MeCeFOConfig(enable=True, basis="gradient"), rank=0, world=2, store_host="127.0.0.1",
+                       store_port=1, sharding=object())  # refused before the store is touched

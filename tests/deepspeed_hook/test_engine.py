@@ -137,7 +137,7 @@ def _tiny_gpt_module():
 
 
 @pytest.mark.fault
-@pytest.mark.parametrize("case", ["paper", "floor_activation", "budget"])
+@pytest.mark.parametrize("case", ["paper", "floor_activation", "budget", "gradient"])
 def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world, case):
     """With the approximations on, the gradient the survivors apply at a degraded step is MeCeFO's,
     recomputed here in one process from the same weights and data: the covering rank's own and
@@ -150,7 +150,9 @@ def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world, cas
     low-rank FFN gradient takes each micro-batch's own input directions (basis "activation").
     "budget": 3 ranks, one killed, covering_budget 10: after its first covering step (which measures
     the covering cost) the covering rank can afford its own micro-batches exact and runs them so;
-    the attention divisor follows from the counts the members report."""
+    the attention divisor follows from the counts the members report. "gradient": 3 ranks, one killed,
+    basis "gradient" with tau 100: every covering step projects on the aggregated gradient of step 1,
+    the last step without covering."""
     import dataclasses
 
     from megatron_mecefo.elastic import Grid, fold_neighbor, ring_cover, reference_gradient, sample_range
@@ -163,12 +165,16 @@ def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world, cas
     elif case == "budget":
         world, survivors, options = 3, [0, 2], {}
         extra = ["--mecefo-inject", "kill:1:2:backward", "--mecefo-covering-budget", "10"]
+    elif case == "gradient":
+        world, survivors, options = 3, [0, 2], {"basis": "gradient", "tau": 100}
+        extra = ["--mecefo-inject", "kill:1:2:backward", "--mecefo-basis", "gradient", "--mecefo-tau", "100",
+                 "--dump-step", "1"]
     else:
         world, survivors, options = 4, [0, 2], {"attention_floor": 0.5, "basis": "activation"}
         extra = ["--mecefo-inject", "kill:1:2:backward", "--mecefo-inject", "kill:3:2:backward",
                  "--mecefo-attention-floor", "0.5", "--mecefo-basis", "activation"]
     run(tmp_path, *extra, "--dump-step", str(step), world=world)
-    dumps = {r: torch.load(tmp_path / f"dump_rank{r}.pt") for r in survivors}
+    dumps = {r: torch.load(tmp_path / f"dump_rank{r}_step{step}.pt") for r in survivors}
     for name, g in dumps[0]["grads"].items():
         assert torch.equal(g, dumps[2]["grads"][name]), name
 
@@ -177,7 +183,14 @@ def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world, cas
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(dumps[0]["params"][name])
-    cfg = MeCeFOConfig(enable=True, **train.MECEFO, **options)
+    cfg = MeCeFOConfig(enable=True, **{**train.MECEFO, **options})
+    if case == "gradient":  # the projectors see step 1's aggregate (clipped: the same singular vectors)
+        from megatron_mecefo.approx.projector import observe_gradients
+
+        step1 = torch.load(tmp_path / "dump_rank0_step1.pt")["grads"]
+        for name, p in model.named_parameters():
+            p.grad = step1[name].clone()
+        assert observe_gradients(model, cfg.cover_policy(1), 1, exact=True) == 2 * 2  # fc1 and fc2 of 2 layers
     fold = fold_neighbor(ring_cover(Grid(dp=world), survivors), 2, attention_floor=cfg.attention_floor)
     assert fold.divisor_mha == (4 if case == "floor_activation" else 2)  # the healthy replica's k / the floor: half of 4 x k
     if case == "budget":  # rank 2's own two micro-batches ran exact (its record says so), the adopted two covering

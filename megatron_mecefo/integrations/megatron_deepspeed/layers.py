@@ -70,6 +70,8 @@ def _classes():
         return policy is not None and policy.lowrank_ffn and layer.weight.requires_grad and torch.is_grad_enabled()
 
     class MeCeFOColumnParallelLinear(ColumnParallelLinear):
+        mecefo_lowrank = True  # found by approx.projector.observe_gradients
+
         def forward(self, input_, weight=None):
             if weight is not None or not _use_lowrank(self):
                 return super().forward(input_, weight)
@@ -85,6 +87,8 @@ def _classes():
             return output, (self.bias if self.skip_bias_add else None)
 
     class MeCeFORowParallelLinear(RowParallelLinear):
+        mecefo_lowrank = True  # found by approx.projector.observe_gradients
+
         def forward(self, input_):
             if not _use_lowrank(self) or not self.input_is_parallel:
                 return super().forward(input_)
