@@ -77,6 +77,11 @@ SCENARIOS = {
     "high_adopted": (FRACTION["high"], ["--mecefo-approximate", "adopted"]),
     # the high-rate trace with the low-rank FFN gradient on each micro-batch's own input directions
     "high_activation": (FRACTION["high"], ["--mecefo-basis", "activation"]),
+    # ... on the directions of the last aggregated gradient without covering
+    "high_gradient": (FRACTION["high"], ["--mecefo-basis", "gradient"]),
+    # the covering rank runs as many own micro-batches exact as keep its step within 1.5x a normal one
+    # (needs k > 1 to act below ~1.5x: run with --global-batch-size 2 x 2 x ranks or more)
+    "high_budget": (FRACTION["high"], ["--mecefo-covering-budget", "1.5"]),
 }
 
 
@@ -94,14 +99,18 @@ def run(args, out: Path, extra, seed: int):
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     val = [float(x) for x in re.findall(r"validation loss at iteration \d+ \| lm loss value: (\S+) \|", proc.stdout)]
-    steps = {}
+    steps, own_exact = {}, []
     for p in out.glob("steps_rank*.jsonl"):
         for r in map(json.loads, p.read_text().splitlines()):
             steps.setdefault(r["step"], r)
+        own_exact += [not c for r in map(json.loads, p.read_text().splitlines())  # covering ranks' own micro-batches
+                       if len({m[0] for m in r.get("micro_batches", [])}) > 1 for replica, _, c in r["micro_batches"]
+                       if replica == r["micro_batches"][0][0]]
     curve = [steps[s]["loss"] for s in sorted(steps)]
     down = sum(args.ranks - len(steps[s]["live"]) for s in steps) / (len(steps) * args.ranks)
     return {"val_loss": val[-1], "loss_curve": curve, "fraction_down": down, "wall_s": time.time() - t0,
-            "failures": proc.stderr.count("[mecefo inject]")}
+            "failures": proc.stderr.count("[mecefo inject]"),
+            "covering_own_exact_share": sum(own_exact) / len(own_exact) if own_exact else None}
 
 
 def evenly_spaced_failures(args, fraction):
@@ -181,8 +190,16 @@ def aggregated_grad_error(args, ckpt: Path, batches=3, approximate="all", replic
     def rel(a, b):
         return (torch.linalg.norm(a - b) / torch.linalg.norm(b)).item()
 
+    def observe_previous(step):  # basis "gradient": the last exact aggregate is the previous step's
+        from megatron_mecefo.approx.projector import observe_gradients
+
+        grads(step - 1, False)  # leaves the summed exact gradient in .grad
+        observe_gradients(model, cfg.cover_policy(step - 1), step - 1, exact=True)
+
     errors = []
     for step in range(args.iters, args.iters + batches):
+        if basis == "gradient":
+            observe_previous(step)
         exact, approx = grads(step, False), grads(step, True)
         errors.append({"all": rel(torch.cat([approx["mha"], approx["other"]]), torch.cat([exact["mha"], exact["other"]])),
                        "mha": rel(approx["mha"], exact["mha"]), "other": rel(approx["other"], exact["other"]),
@@ -212,6 +229,7 @@ def main(argv=None):
     p.add_argument("--best", default="high_activation", choices=list(SCENARIOS),
                    help="the variant reported as rel_diff_high_best (beside the paper's rule, rel_diff_high_paper)")
     p.add_argument("--noise-step", type=int, default=25, help="the step whose loss the noise control scales by 1.001")
+    p.add_argument("--skip-grad-error", action="store_true", help="leave out the aggregated gradient error (the training runs only)")
     p.add_argument("--two-of-four", action="store_true", help="measure the exact-attention floor instead (see above)")
     p.add_argument("--two-down-steps", type=int, default=120, help="--two-of-four: steps both ranks stay down")
     args = p.parse_args(argv)
@@ -244,11 +262,11 @@ def main(argv=None):
                       f"down {r['fraction_down']:.3f} (target {frac:.3f}) ({r['wall_s']:.0f} s)", flush=True)
         ckpt = next(p for pattern in ("global_step*/mp_rank_00_model_states.pt", "iter_*/model_optim.pt")
                     for p in sorted((d / "ckpt").glob(pattern)))
-        errors = aggregated_grad_error(args, ckpt)
-        errors_adopted = aggregated_grad_error(args, ckpt, approximate="adopted")
-        errors_activation = aggregated_grad_error(args, ckpt, basis="activation")
-        per_replica = args.global_batch_size // args.ranks
-        by_replicas = {n: aggregated_grad_error(args, ckpt, replicas=n, global_batch_size=per_replica * n) for n in (4, 8, 16, 32)}
+        if not args.skip_grad_error:
+            errors = {"": aggregated_grad_error(args, ckpt), "_adopted": aggregated_grad_error(args, ckpt, approximate="adopted"),
+                      **{f"_{b}": aggregated_grad_error(args, ckpt, basis=b) for b in ("activation", "gradient")}}
+            per_replica = args.global_batch_size // args.ranks
+            by_replicas = {n: aggregated_grad_error(args, ckpt, replicas=n, global_batch_size=per_replica * n) for n in (4, 8, 16, 32)}
 
     def mean(xs):
         return sum(xs) / len(xs)
@@ -286,14 +304,14 @@ def main(argv=None):
         # the same in every run of a seed; the forward pass is exact on covering ranks too)
         **{f"rel_diff_train_last50_{n}": mean(list(train_diffs[n].values())) for n in runs if n != "fault_free"},
         **{f"rel_diff_train_last50_{n}_per_seed": train_diffs[n] for n in runs if n != "fault_free"},
-        "rel_grad_error_aggregated": max(e["all"] for e in errors),
-        "rel_grad_error_aggregated_per_batch": errors,
-        "rel_grad_error_aggregated_adopted": max(e["all"] for e in errors_adopted),
-        "rel_grad_error_aggregated_adopted_per_batch": errors_adopted,
-        "rel_grad_error_aggregated_activation": max(e["all"] for e in errors_activation),
-        "rel_grad_error_aggregated_activation_per_batch": errors_activation,
-        "rel_grad_error_aggregated_by_replicas": {str(n): {"failed": e[0]["failed"], "max_all": max(x["all"] for x in e),
-                                                           "per_batch": e} for n, e in by_replicas.items()},
+        # covering ranks' own micro-batches that ran exact (the covering budget's choice; 0 for the paper's rule)
+        **{f"covering_own_exact_share_{n}": mean([r["covering_own_exact_share"] for r in runs[n].values()])
+           for n in runs if all(r["covering_own_exact_share"] is not None for r in runs[n].values())},
+        **({} if args.skip_grad_error else {
+            **{f"rel_grad_error_aggregated{key}": max(e["all"] for e in errs) for key, errs in errors.items()},
+            **{f"rel_grad_error_aggregated{key}_per_batch": errs for key, errs in errors.items()},
+            "rel_grad_error_aggregated_by_replicas": {str(n): {"failed": e[0]["failed"], "max_all": max(x["all"] for x in e),
+                                                               "per_batch": e} for n, e in by_replicas.items()}}),
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -301,8 +319,9 @@ def main(argv=None):
     plot(out, args.out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in out.items() if k not in ("runs", "setup") and not k.endswith("per_batch")
                       and k != "rel_grad_error_aggregated_by_replicas"}, indent=2))
-    print("aggregated gradient error by simulated replicas:",
-          {n: round(v["max_all"], 3) for n, v in out["rel_grad_error_aggregated_by_replicas"].items()})
+    if not args.skip_grad_error:
+        print("aggregated gradient error by simulated replicas:",
+              {n: round(v["max_all"], 3) for n, v in out["rel_grad_error_aggregated_by_replicas"].items()})
 
 
 def shard_loss(args):

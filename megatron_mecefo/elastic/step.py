@@ -107,6 +107,7 @@ class StepDriver:
         self.committed = runtime.step
         """Steps committed so far (the iteration upstream logs after a step): the same on every replica."""
         self.optimizer_result: Any = None
+        self._observed = False
         self.record_extra: Dict[str, Any] = {}
         """Extra fields for this step's record in steps_rank{R}.jsonl."""
 
@@ -197,8 +198,11 @@ class StepDriver:
         self.last_loss = loss
         self.committed = plan.step + 1
         if self.cfg.enable and self.cfg.lowrank_ffn and self.cfg.basis == "gradient":  # every rank holds the aggregate now
-            observe_gradients(self.host.module, self.cfg.cover_policy(plan.step, live_microbatches=self._live_microbatches),
-                              plan.step, exact=not plan.degraded, grad_attr=self.host.grad_attr)
+            n = observe_gradients(self.host.module, self.cfg.cover_policy(plan.step, live_microbatches=self._live_microbatches),
+                                  plan.step, exact=not plan.degraded, grad_attr=self.host.grad_attr)
+            if n and not self._observed:  # once: which weights follow their gradient
+                self._observed = True
+                self.runtime.events.write("gradient_basis", step=plan.step, weights=n)
         self.fire("optimizer")
         if self.host.before_optimizer is not None:
             with self.runtime.replica_collectives(plan.step):

@@ -143,14 +143,15 @@ def test_kill_and_rejoin_with_approximations(mds_checkout, tmp_path):
 def test_tensor_parallel_replica_retires_and_is_covered(mds_checkout, tmp_path):
     """TP=2 x DP=2: rank 3 (replica 1, tp rank 1) is SIGKILLed; its tensor-parallel mate leaves too
     (exit 4) and replica 0 runs replica 1's micro-batches with the MeCeFO backward on both of its
-    tensor-parallel ranks to the end. (A rejoin after a restart is the 3-replica test's; with
-    tensor parallelism it is tested on examples/pretrain_gpt, whose runtime this is.)"""
+    tensor-parallel ranks to the end, projecting each FFN shard's low-rank gradient on the directions
+    of that shard's last aggregated gradient (basis "gradient"). (A rejoin after a restart is the
+    3-replica test's; with tensor parallelism it is tested on examples/pretrain_gpt, whose runtime this is.)"""
     root, data = mds_checkout
     iters = 20
     log_dir = tmp_path / "log"
     out = mds.mecefo_launch(root, 4, mds.args(data, tmp_path / "ds.json", dp=2, tp=2, iters=iters, extra=[
         "--eval-interval", "10", "--mecefo", "--mecefo-rank", "16", "--mecefo-log-dir", str(log_dir),
-        "--mecefo-log-param-hash", "--mecefo-inject", "kill:3:4"]), timeout=300)
+        "--mecefo-log-param-hash", "--mecefo-basis", "gradient", "--mecefo-inject", "kill:3:4"]), timeout=300)
     assert out.returncode == 0, out.stdout[-6000:]
     assert "rank 2 (pid" in out.stdout and "exit code 4" in out.stdout
     assert "generation 1: members [0, 1], cover {1: 0}" in out.stdout
@@ -158,6 +159,9 @@ def test_tensor_parallel_replica_retires_and_is_covered(mds_checkout, tmp_path):
     assert all(s["step"] < 4 or s["rank"] in (0, 1) for r in mds.step_records(log_dir).values() for s in r)
     assert mds.consumed(out.stdout)[iters] == iters * 4
     assert sorted(mds.val_losses(out.stdout)) == [10, 20]
+    for rank in (0, 1):  # every FFN linear of the covering replica's shards followed its gradient from step 0
+        events = [json.loads(line) for line in (log_dir / f"events_rank{rank}.jsonl").read_text().splitlines()]
+        assert [(e["step"], e["weights"]) for e in events if e["event"] == "gradient_basis"] == [(0, 4)], rank
 
 
 @pytest.mark.fault

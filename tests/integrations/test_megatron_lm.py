@@ -302,12 +302,13 @@ def test_kill_and_rejoin_with_approximations(mlm_checkout, tmp_path):
 def test_tensor_parallel_replica_retires_and_is_covered(mlm_checkout, tmp_path):
     """TP=2 x DP=2: rank 3 (replica 1, tp rank 1) is SIGKILLed; its tensor-parallel mate leaves too
     (exit 4) and replica 0 runs replica 1's micro-batches with the MeCeFO backward on both of its
-    tensor-parallel ranks to the end."""
+    tensor-parallel ranks to the end, projecting each FFN shard's low-rank gradient on the directions
+    of that shard's last aggregated gradient (basis "gradient")."""
     iters = 20
     log_dir = tmp_path / "log"
     out = mlm.mecefo_launch(mlm_checkout, 4, mlm.args(dp=2, tp=2, iters=iters, extra=[
         "--eval-interval", "10", "--mecefo", "--mecefo-rank", "16", "--mecefo-log-dir", str(log_dir),
-        "--mecefo-log-param-hash", "--mecefo-inject", "kill:3:4", "--mecefo-collective-timeout-s", "20"]), timeout=300)
+        "--mecefo-log-param-hash", "--mecefo-basis", "gradient", "--mecefo-inject", "kill:3:4", "--mecefo-collective-timeout-s", "20"]), timeout=300)
     assert out.returncode == 0, out.stdout[-6000:]
     assert "rank 2 (pid" in out.stdout and "exit code 4" in out.stdout
     assert "generation 1: members [0, 1], cover {1: 0}" in out.stdout
@@ -315,6 +316,9 @@ def test_tensor_parallel_replica_retires_and_is_covered(mlm_checkout, tmp_path):
     assert all(s["step"] < 4 or s["rank"] in (0, 1) for r in mds.step_records(log_dir).values() for s in r)
     assert mds.consumed(out.stdout)[iters] == iters * 4
     assert sorted(mds.val_losses(out.stdout)) == [10, 20]
+    for rank in (0, 1):  # every FFN linear of the covering replica's shards followed its gradient from step 0
+        events = [json.loads(line) for line in (log_dir / f"events_rank{rank}.jsonl").read_text().splitlines()]
+        assert [(e["step"], e["weights"]) for e in events if e["event"] == "gradient_basis"] == [(0, 4)], rank
 
 
 @pytest.mark.fault
@@ -359,6 +363,8 @@ def test_refused_setups_end_before_training(mlm_checkout, tmp_path):
         "--bf16 --load": ("the checkpoint in " + str(tmp_path / "bf16") + " keeps its fp32 master parameters in "
                           "Megatron's mixed-precision optimizer", base + [
             "--mecefo-rank", "16", "--bf16", "--use-distributed-optimizer", "--load", str(tmp_path / "bf16")]),
+        "--mecefo-basis gradient": ('mecefo "basis": "gradient" needs every weight\'s aggregated gradient on every rank',
+                                    base + ["--mecefo-rank", "16", "--use-distributed-optimizer", "--mecefo-basis", "gradient"]),
         "--overlap-param-gather": ("--mecefo does not support --overlap-param-gather", base + [
             "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
         "transformer_engine": ("--mecefo needs --transformer-impl local (got transformer_engine)",
