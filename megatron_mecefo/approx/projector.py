@@ -2,7 +2,7 @@
 
 For a linear map y = x W^T with W of shape (out, in), the weight gradient G_W = G_y^T x is
 approximated by (G_y^T (x V)) V^T = G_W V V^T, the exact gradient projected onto the input
-directions V (in, r). Two sources of V (`basis`):
+directions V (in, r). Three sources of V (`basis`):
 
 * "weight" (the paper): the top-r right singular vectors of W itself, recomputed every `tau` steps.
 * "activation": the dominant directions of the micro-batch's own input x (tokens, in), found per
@@ -96,8 +96,8 @@ def input_subspace(x: torch.Tensor, rank: int, *, niter: int = 1, seed: int = 0)
 
 
 class LowRankProjector:
-    """Owns V (in, r) for one weight: W's basis refreshed every `tau` steps, or the input's basis
-    drawn per micro-batch (`basis="activation"`).
+    """Owns V (in, r) for one weight: W's basis refreshed every `tau` steps, the input's basis
+    drawn per micro-batch (`basis="activation"`), or the aggregated gradient's (`basis="gradient"`).
 
     Args:
         rank: r, the number of directions kept.
