@@ -5,7 +5,9 @@ Trains examples/pretrain_gpt/pretrain_gpt.py (LLaMA-style GPT, stdlib corpus, by
 with trace-driven SIGKILLs and rejoins (MeCeFO defaults: skip attention + low-rank FFN on the
 covering ranks), and the high rate again with `approximate: "adopted"` (the covering rank's own
 micro-batches exact) and with `basis: "activation"` (the low-rank FFN gradient projected on each
-micro-batch's own input directions). Every run is repeated per --seeds (model init and data order);
+micro-batch's own input directions); with --scenarios also `basis: "gradient"` (on the last
+aggregated gradient's directions) and `covering_budget: 1.5` (needs k > 1: see the budget command
+below). Every run is repeated per --seeds (model init and data order);
 differences to fault-free are paired per seed. Two controls:
 * noise: the fault-free run again with one micro-batch's loss (hence gradient) of one early step
   scaled by 1.001 (pretrain_gpt.py --perturb-loss), on every seed. Training amplifies any perturbation, so its
@@ -37,6 +39,12 @@ replicas at the job's per-replica batch.
 Both write benchmarks/results/convergence.{json,png}.
 
     python benchmarks/convergence.py --shard-loss                     # ~16 min; convergence_shard_loss.json
+
+The gradient basis and the covering budget, on 4 ranks with 2 micro-batches each (k = 2, so the
+budget can run one of the covering rank's two own micro-batches exact), training runs only:
+
+    python benchmarks/convergence.py --lr 1e-3 --ranks 4 --scenarios high high_gradient high_budget \
+        --seeds 1234 1235 --skip-grad-error --out benchmarks/results/convergence_budget.json   # ~20 min
 
 What the exact-attention floor does when half the job is down: 4 ranks, ranks 1 and 3 down together
 for the middle `--two-down-steps` steps, so both survivors cover and the paper's rule leaves
