@@ -1,0 +1,85 @@
+"""MeCeFO as the runtime runs it: the ring cover plan of `elastic/topology.py`, per event.
+
+A failed domain (a GPU, or a node of g GPUs: ranks in Megatron's order) retires every replica it
+holds a rank of; each retired replica is adopted by the next live, non-covering replica on the
+ring (`ring_cover`, the runtime's own function). While any replica covers, every step waits for
+the covering ranks: speed = 1 / cover_ratio. The paper's rule sends the covered and the covering
+replicas' micro-batches through the approximate backward (2 f of D replicas' data).
+
+A failure costs the detection and regroup (measured: `recovery_s`) plus the in-flight step, redone
+by the survivors; a repair costs the rejoin (state transfer and regroup). When no neighbour is left
+(`NoCoverAvailable`) the job gives up with a checkpoint of its last committed step (nothing is
+lost) and is restarted (`restart_s`) on the replicas left, which then run the whole global batch
+between them (speed = live / D, exact) until repairs let replicas rejoin in-process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import FrozenSet
+
+from megatron_mecefo.elastic.topology import Grid, ring_cover
+from megatron_mecefo.errors import NoCoverAvailable
+from megatron_mecefo.sim.engine import Rate, Transition
+from megatron_mecefo.sim.trace import Failure
+
+__all__ = ["MeCeFO"]
+
+
+@dataclasses.dataclass
+class MeCeFO:
+    grid: Grid
+    gpus_per_node: int = 1
+    cover_ratio: float = 1.2
+    """A covering rank's step time over a normal rank's (benchmarks/covering_cost.py)."""
+    step_s: float = 1.0
+    """A normal step's wall time (the in-flight step lost per failure)."""
+    recovery_s: float = 2.0
+    """Crash to the first degraded step (benchmarks/recovery.py)."""
+    rejoin_s: float = 2.0
+    """A repaired domain's rejoin: state transfer and regroup."""
+    restart_s: float = 600.0
+    """Give-up to training again (a new job on the replicas left, reading the checkpoint)."""
+
+    def __post_init__(self) -> None:
+        if self.cover_ratio < 1:
+            raise ValueError(f"cover_ratio must be >= 1 (a covering rank does more work), got {self.cover_ratio}")
+        self._fallback = False  # gave up: the replicas left run without covering until all are back
+
+    def _ranks(self, domain: int):
+        return range(domain * self.gpus_per_node, (domain + 1) * self.gpus_per_node)
+
+    def _live_ranks(self, down: FrozenSet[int]):
+        dead = {r for d in down for r in self._ranks(d)}
+        return [r for r in range(self.grid.world) if r not in dead]
+
+    def rate(self, down: FrozenSet[int]) -> Rate:
+        live = self.grid.live_replicas(self._live_ranks(down))
+        if self._fallback:
+            return Rate(speed=len(live) / self.grid.dp, cause="fewer_replicas")
+        cover = ring_cover(self.grid, self._live_ranks(down))
+        if not cover.degraded:
+            return Rate(speed=1.0)
+        return Rate(speed=1.0 / self.cover_ratio, approx=2 * len(cover.cover) / self.grid.dp)
+
+    def on_failure(self, down: FrozenSet[int], failure: Failure) -> Transition:
+        if self._fallback:
+            return Transition()  # a replica fewer; the next restart is a repair's
+        before = self.grid.live_replicas(self._live_ranks(down - {failure.domain}))
+        if self.grid.live_replicas(self._live_ranks(down)) == before:
+            return Transition()  # its replica was retired already: an idle rank
+        try:
+            ring_cover(self.grid, self._live_ranks(down))
+        except NoCoverAvailable:
+            self._fallback = True
+            return Transition(downtime_s=self.restart_s, fatal=True, cause="restart")
+        return Transition(downtime_s=self.recovery_s, lost_s=self.step_s / 2, cause="recovery")
+
+    def on_repair(self, down: FrozenSet[int], domain: int) -> Transition:
+        if self._fallback:
+            try:
+                ring_cover(self.grid, self._live_ranks(down))
+            except NoCoverAvailable:
+                return Transition(downtime_s=self.rejoin_s, cause="recovery")
+            self._fallback = False  # coverable again: back to the neighbour scheme
+        return Transition(downtime_s=self.rejoin_s, cause="recovery")

@@ -1,0 +1,81 @@
+"""The simulator against the analytic models it must reproduce (seconds, no torch)."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from megatron_mecefo.elastic.topology import Grid
+from megatron_mecefo.sim import trace as tr
+from megatron_mecefo.sim.checkpoint_restart import CheckpointRestart, daly_interval, daly_segment_time
+from megatron_mecefo.sim.engine import simulate
+from megatron_mecefo.sim.mecefo import MeCeFO
+
+pytestmark = pytest.mark.unit
+H = tr.HOUR
+
+
+def test_checkpoint_restart_matches_dalys_expected_time_per_segment():
+    """Monte Carlo over a long Poisson trace: wall time per completed segment within 1 % of Daly's E[T]."""
+    m, w, u = 1.0 * H, 60.0, 300.0
+    interval = daly_interval(w, m)
+    horizon = 20_000 * H
+    trace = tr.poisson(domains=32, horizon_s=horizon, repair=tr.Repair(60.0), seed=1, mtbf_hours=1.0)
+    out = CheckpointRestart(interval, w, u).run(trace, horizon)
+    per_segment = horizon / out.segments
+    assert per_segment == pytest.approx(daly_segment_time(interval, w, u, m), rel=0.01)
+    assert sum(out.breakdown.values()) + out.progress_s == pytest.approx(horizon, rel=1e-9)
+
+
+def test_dalys_interval_is_near_the_monte_carlo_optimum():
+    m, w, u = 2.0 * H, 120.0, 600.0
+    best = daly_interval(w, m)
+    ettr = {f: best * f / daly_segment_time(best * f, w, u, m) for f in (0.5, 1.0, 2.0)}
+    assert ettr[1.0] > ettr[0.5] and ettr[1.0] > ettr[2.0]
+
+
+@pytest.mark.parametrize("scenario,mtbf,repair", [("low", 2.0, 4.0), ("medium", 1.0, 3.0), ("high", 0.5, 2.0)])
+def test_the_papers_presets_keep_lambda_r_domains_down(scenario, mtbf, repair):
+    """Concurrent failures of a Poisson trace with fixed repair: mean lambda R, none down e^(-lambda R)."""
+    horizon = 20_000 * H
+    trace = tr.poisson(domains=32, horizon_s=horizon, repair=tr.Repair(repair * H), seed=2, mtbf_hours=mtbf)
+    mean, idle = tr.concurrency(trace, horizon)
+    lam_r = repair / mtbf
+    assert mean == pytest.approx(lam_r, rel=0.03)
+    assert idle == pytest.approx(math.exp(-lam_r), abs=0.01)
+
+
+def test_metas_mttf_projections_from_the_failure_rate():
+    """r_f = 6.50 per 1000 node-days: MTTF 1.8 h at 16,384 GPUs and 0.23 h at 131,072 (8 GPUs a node)."""
+    for gpus, hours in ((16_384, 1.8), (131_072, 0.23)):
+        rate = tr.rate_per_s(domains=gpus // 8, failures_per_1000_node_days=6.50)
+        assert 1 / rate / H == pytest.approx(hours, rel=0.03)
+
+
+def test_mecefo_drop_is_the_covering_ratio_weighted_by_the_degraded_time():
+    """pp = 1, no event costs: throughput = P0 + (1 - P0) / c, P0 the share of time with none down."""
+    horizon = 5_000 * H
+    trace = tr.poisson(domains=32, horizon_s=horizon, repair=tr.Repair(2 * H), seed=3, mtbf_hours=0.5)
+    c = 1.2
+    out = simulate(MeCeFO(Grid(dp=32), cover_ratio=c, recovery_s=0, rejoin_s=0, step_s=0), trace, horizon)
+    _, p0 = tr.concurrency(trace, horizon)
+    assert out.ettr == pytest.approx(p0 + (1 - p0) / c, rel=1e-6)
+    assert out.fatal_events == 0
+    # a quarter of the data is approximate with 4 of 32 down on average: 2 f / D, weighted by speed
+    assert 0.15 < out.approx_fraction < 0.3
+
+
+def test_mecefo_falls_back_when_no_neighbour_is_left():
+    """4 replicas, 3 down at once: the ring cannot cover; the job restarts on the one left."""
+    trace = (tr.Failure(100.0, 1, 1000.0), tr.Failure(200.0, 2, 1000.0), tr.Failure(300.0, 3, 1000.0))
+    sim = MeCeFO(Grid(dp=4), cover_ratio=1.0, recovery_s=0, rejoin_s=0, step_s=0, restart_s=50.0)
+    out = simulate(sim, trace, 2000.0)
+    assert out.fatal_events == 1
+    # 0-300 full speed, restart 300-350, one replica of four until the first repair at 1100, then covered
+    assert out.progress_s == pytest.approx(300 + 750 * 0.25 + 900, rel=1e-9)
+
+
+def test_no_torch_import():
+    code = "import sys, megatron_mecefo.sim.engine, megatron_mecefo.sim.mecefo, megatron_mecefo.sim.checkpoint_restart; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
