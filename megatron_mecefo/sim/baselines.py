@@ -1,0 +1,87 @@
+"""The other systems, as engine policies (see engine.py): each a few lines of its published rule.
+
+* `DropSamples` (torchft): a failed replica group's samples are dropped until it heals; the others
+  go on at full step speed; each failure discards the in-flight step of every group.
+* `Spread` (ReCoVer): the failed replicas' micro-batches are redistributed exactly over the
+  survivors: speed (D - f) / D, nothing approximate, nothing dropped.
+* `SparePool` (recovery onto spares: a replicated-optimizer swap, NVRx in-process restart, an
+  in-job restart from replicated local checkpoints): S spare domains idle while healthy; a failure
+  swaps one in (downtime `restart_s`, rolls back `lost_s`); with none left the job waits for a repair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import FrozenSet
+
+from megatron_mecefo.elastic.topology import Grid
+from megatron_mecefo.sim.engine import Rate, Transition
+from megatron_mecefo.sim.trace import Failure
+
+__all__ = ["DropSamples", "Spread", "SparePool"]
+
+
+def _failed_replicas(grid: Grid, gpus_per_node: int, down: FrozenSet[int]) -> int:
+    dead = {r for d in down for r in range(d * gpus_per_node, (d + 1) * gpus_per_node)}
+    return grid.dp - len(grid.live_replicas(r for r in range(grid.world) if r not in dead))
+
+
+@dataclasses.dataclass
+class DropSamples:
+    grid: Grid
+    gpus_per_node: int = 1
+    detect_s: float = 5.0
+    step_s: float = 1.0
+    overhead: float = 1.0
+    """Steady-state step time over a plain job's (cross-replica reduction over its own transport)."""
+
+    def rate(self, down):
+        f = _failed_replicas(self.grid, self.gpus_per_node, down)
+        if f == self.grid.dp:
+            return Rate(speed=0.0, cause="no_replica_left")
+        return Rate(speed=1.0 / self.overhead, dropped=f / self.grid.dp, cause="overhead")
+
+    def on_failure(self, down, failure: Failure):
+        return Transition(downtime_s=self.detect_s, lost_s=self.step_s / 2, cause="recovery")
+
+    def on_repair(self, down, domain):
+        return Transition()  # the healed group joins at the next quorum
+
+
+@dataclasses.dataclass
+class Spread:
+    grid: Grid
+    gpus_per_node: int = 1
+    transition_s: float = 5.0
+    step_s: float = 1.0
+
+    def rate(self, down):
+        f = _failed_replicas(self.grid, self.gpus_per_node, down)
+        return Rate(speed=(self.grid.dp - f) / self.grid.dp, cause="degraded")
+
+    def on_failure(self, down, failure):
+        return Transition(downtime_s=self.transition_s, lost_s=self.step_s / 2, cause="recovery")
+
+    def on_repair(self, down, domain):
+        return Transition(downtime_s=self.transition_s, cause="recovery")
+
+
+@dataclasses.dataclass
+class SparePool:
+    spares: int
+    restart_s: float
+    lost_s: float
+    """Progress rolled back per failure (half a step; half a local checkpoint interval)."""
+
+    def rate(self, down):
+        if len(down) > self.spares:
+            return Rate(speed=0.0, cause="waiting_for_repair")
+        return Rate(speed=1.0)
+
+    def on_failure(self, down, failure):
+        return Transition(downtime_s=self.restart_s, lost_s=self.lost_s, cause="restart")
+
+    def on_repair(self, down, domain):
+        if len(down) >= self.spares:  # the job was waiting for this domain: it restarts with it
+            return Transition(downtime_s=self.restart_s, cause="restart")
+        return Transition()  # back in the spare pool

@@ -1,0 +1,162 @@
+"""One setup (cluster, failures, costs), every system on the same traces, means over seeds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from megatron_mecefo.elastic.topology import Grid
+from megatron_mecefo.sim import presets, trace as tr
+from megatron_mecefo.sim.baselines import DropSamples, SparePool, Spread
+from megatron_mecefo.sim.checkpoint_restart import CheckpointRestart, daly_interval
+from megatron_mecefo.sim.engine import Outcome, simulate
+from megatron_mecefo.sim.mecefo import MeCeFO
+
+__all__ = ["Setup", "SYSTEMS", "run_all", "measured_costs"]
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def measured_costs(results: Path = RESULTS) -> Dict[str, float]:
+    """MeCeFO's costs from this project's benchmarks: the covering step ratio at LLaMA-1B layer size
+    (covering_cost.json) and crash-to-degraded-step (recovery.json). Empty when not found."""
+    out: Dict[str, float] = {}
+    try:
+        cc = json.loads((results / "covering_cost.json").read_text())
+        out["cover_time_ratio"] = cc.get("time_ratio_covering_vs_normal_paper_1b", cc["time_ratio_covering_vs_normal"])
+        out["recovery_s"] = json.loads((results / "recovery.json").read_text())["crash_to_degraded_step_s"]
+    except (OSError, KeyError, ValueError):
+        pass
+    return out
+
+
+def p99_poisson(mean: float) -> int:
+    """Smallest k with P(Poisson(mean) <= k) >= 0.99 (ByteRobust sizes warm spares so)."""
+    k, term, total = 0, math.exp(-mean), math.exp(-mean)
+    while total < 0.99:
+        k += 1
+        term *= mean / k
+        total += term
+    return k
+
+
+@dataclasses.dataclass
+class Setup:
+    gpus: int
+    gpus_per_node: int = 1
+    tp: int = 1
+    pp: int = 1
+    mtbf_hours: Optional[float] = None
+    failures_per_1000_node_days: Optional[float] = None
+    repair_hours: float = 2.0
+    repair: str = "fixed"
+    hours: float = 720.0
+    spares: Optional[int] = None
+    cover_time_ratio: Optional[float] = None
+    recovery_s: float = 2.0
+    step_s: float = 1.0
+    checkpoint_write_s: float = presets.CKPT_WRITE_S
+    restart_s: float = presets.RESTART_S
+
+    def __post_init__(self) -> None:
+        if self.gpus % self.gpus_per_node:
+            raise ValueError(f"--gpus {self.gpus} is not a multiple of --gpus-per-node {self.gpus_per_node}")
+        if self.gpus % (self.tp * self.pp):
+            raise ValueError(f"--gpus {self.gpus} is not a multiple of tp x pp = {self.tp * self.pp}")
+        if (self.mtbf_hours is None) == (self.failures_per_1000_node_days is None):
+            raise ValueError("give exactly one of --mtbf-hours / --scenario and --failures-per-1000-node-days")
+        self.grid = Grid(tp=self.tp, pp=self.pp, dp=self.gpus // (self.tp * self.pp))
+        self.domains = self.gpus // self.gpus_per_node
+        self.rate = tr.rate_per_s(domains=self.domains, mtbf_hours=self.mtbf_hours,
+                                  failures_per_1000_node_days=self.failures_per_1000_node_days)
+        if self.spares is None:
+            self.spares = max(1, p99_poisson(self.rate * self.repair_hours * tr.HOUR))
+        if self.cover_time_ratio is None:
+            measured = measured_costs()
+            if "cover_time_ratio" not in measured:
+                raise ValueError("no measured covering cost found (benchmarks/results/covering_cost.json): pass --cover-time-ratio")
+            self.cover_time_ratio, self.recovery_s = measured["cover_time_ratio"], measured["recovery_s"]
+
+    @classmethod
+    def from_args(cls, args) -> "Setup":
+        preset = presets.SCENARIOS[args.scenario] if args.scenario else {}
+        kw = dict(gpus=args.gpus or preset.get("gpus"),
+                  mtbf_hours=args.mtbf_hours if args.mtbf_hours is not None else preset.get("mtbf_hours"),
+                  repair_hours=args.repair_hours if args.repair_hours is not None else preset.get("repair_hours", 2.0))
+        if kw["gpus"] is None:
+            raise ValueError("give --gpus or --scenario")
+        if args.failures_per_1000_node_days is not None:
+            kw["mtbf_hours"] = None if args.mtbf_hours is None else args.mtbf_hours
+        optional = {"checkpoint_write_s": args.checkpoint_write_s, "restart_s": args.restart_s}
+        return cls(**kw, gpus_per_node=args.gpus_per_node, tp=args.tp, pp=args.pp,
+                   failures_per_1000_node_days=args.failures_per_1000_node_days, repair=args.repair, hours=args.hours,
+                   spares=args.spares, cover_time_ratio=args.cover_time_ratio, step_s=args.step_s,
+                   **{k: v for k, v in optional.items() if v is not None})
+
+    def trace(self, seed: int):
+        return tr.poisson(domains=self.domains, horizon_s=self.hours * tr.HOUR,
+                          repair=tr.Repair(self.repair_hours * tr.HOUR, self.repair), seed=seed,
+                          mtbf_hours=1 / self.rate / tr.HOUR)
+
+
+# name -> (setup -> (run(trace, horizon) -> Outcome, failure-free speed, share of provisioned GPUs training))
+def _engine(policy_of: Callable[[Setup], object]):
+    return lambda s: (lambda trace, horizon: simulate(policy_of(s), trace, horizon))
+
+
+def _cr(write, restart):
+    def make(s: Setup):
+        cr = CheckpointRestart(daly_interval(write(s), 1 / s.rate), write(s), restart(s))
+        return cr.run, cr.failure_free_ettr, 1.0
+    return make
+
+
+SYSTEMS: Dict[str, Callable[[Setup], tuple]] = {
+    "mecefo": lambda s: (_engine(lambda s: MeCeFO(s.grid, s.gpus_per_node, s.cover_time_ratio, s.step_s, s.recovery_s,
+                                                   s.recovery_s, s.restart_s))(s), 1.0, 1.0),
+    "checkpoint_restart": _cr(lambda s: s.checkpoint_write_s, lambda s: s.restart_s),
+    "inmemory_checkpoint": _cr(lambda s: presets.INMEMORY_CKPT_WRITE_S, lambda s: presets.INMEMORY_RESTART_S),
+    "torchft": lambda s: (_engine(lambda s: DropSamples(s.grid, s.gpus_per_node, presets.TORCHFT_DETECT_S, s.step_s,
+                                                        presets.TORCHFT_OVERHEAD))(s), 1 / presets.TORCHFT_OVERHEAD, 1.0),
+    "recover": lambda s: (_engine(lambda s: Spread(s.grid, s.gpus_per_node, presets.RECOVER_TRANSITION_S, s.step_s))(s), 1.0, 1.0),
+    "replicated_optimizer_spares": lambda s: (_engine(lambda s: SparePool(s.spares, presets.SPARE_SWAP_S, s.step_s / 2))(s),
+                                              1.0, s.domains / (s.domains + s.spares)),
+    "nvrx_inprocess": lambda s: (_engine(lambda s: SparePool(s.spares, presets.NVRX_RESTART_S, s.step_s / 2))(s),
+                                 1.0, s.domains / (s.domains + s.spares)),
+}
+
+
+def _ci95(xs: List[float]) -> float:
+    return 1.96 * statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
+
+
+def run_all(setup: Setup, systems: List[str], *, seeds: int) -> dict:
+    unknown = [n for n in systems if n not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {unknown}; choose from {sorted(SYSTEMS)}")
+    if seeds < 1:
+        raise ValueError("--seeds must be >= 1")
+    horizon = setup.hours * tr.HOUR
+    traces = [setup.trace(seed) for seed in range(seeds)]
+    out = {"setup": {k: v for k, v in dataclasses.asdict(setup).items()}, "systems": {}}
+    out["setup"]["failures_per_run"] = statistics.mean(len(t) for t in traces)
+    for name in systems:
+        run, ff_speed, provisioned = SYSTEMS[name](setup)
+        outcomes: List[Outcome] = [run(t, horizon) for t in traces]
+        ettr = [o.ettr * provisioned for o in outcomes]
+        drop = [1 - o.ettr / ff_speed for o in outcomes]
+        causes = sorted({k for o in outcomes for k in o.breakdown})
+        out["systems"][name] = {
+            "throughput_drop": statistics.mean(drop), "throughput_drop_ci95": _ci95(drop),
+            "ettr": statistics.mean(ettr), "ettr_ci95": _ci95(ettr),
+            "approx_fraction": statistics.mean(o.approx_fraction for o in outcomes),
+            "dropped_fraction": statistics.mean(o.breakdown.get("dropped", 0.0) / o.wall_s for o in outcomes),
+            "fatal_events": statistics.mean(o.fatal_events for o in outcomes),
+            "breakdown": {k: statistics.mean(o.breakdown.get(k, 0.0) for o in outcomes) / tr.HOUR for k in causes},
+            "failure_free_speed": ff_speed, "provisioned_share": provisioned,
+        }
+    return out
