@@ -79,9 +79,11 @@ class SparePool:
         return Rate(speed=1.0)
 
     def on_failure(self, down, failure):
+        if len(down) > self.spares:  # no spare left: the job stops until a repair (rate 0)
+            return Transition(lost_s=self.lost_s)
         return Transition(downtime_s=self.restart_s, lost_s=self.lost_s, cause="restart")
 
     def on_repair(self, down, domain):
-        if len(down) >= self.spares:  # the job was waiting for this domain: it restarts with it
+        if len(down) == self.spares:  # the job was waiting for this domain: it restarts with it
             return Transition(downtime_s=self.restart_s, cause="restart")
         return Transition()  # back in the spare pool

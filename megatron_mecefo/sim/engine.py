@@ -85,7 +85,8 @@ def simulate(system, trace: Sequence[Failure], horizon_s: float, *, timeline: bo
             gained = dt * r.speed * (1 - r.dropped)
             progress += gained
             approx_progress += gained * r.approx
-            breakdown[r.cause] = breakdown.get(r.cause, 0.0) + dt * (1 - r.speed)
+            if r.speed < 1:
+                breakdown[r.cause] = breakdown.get(r.cause, 0.0) + dt * (1 - r.speed)
             if r.dropped:
                 breakdown["dropped"] = breakdown.get("dropped", 0.0) + dt * r.speed * r.dropped
         t = max(t, to)

@@ -79,3 +79,55 @@ def test_mecefo_falls_back_when_no_neighbour_is_left():
 def test_no_torch_import():
     code = "import sys, megatron_mecefo.sim.engine, megatron_mecefo.sim.mecefo, megatron_mecefo.sim.checkpoint_restart; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_torchft_drops_the_failed_groups_samples_and_recover_spreads_them():
+    """With no event costs: torchft trains at full step speed on (D - f) / D of the data; ReCoVer
+    trains on all of it at (D - f) / D speed. Both progress at E[(D - f) / D]."""
+    from megatron_mecefo.sim.baselines import DropSamples, Spread
+
+    horizon = 2_000 * H
+    trace = tr.poisson(domains=16, horizon_s=horizon, repair=tr.Repair(2 * H), seed=4, mtbf_hours=0.5)
+    mean_down, _ = tr.concurrency(trace, horizon)
+    drop = simulate(DropSamples(Grid(dp=16), detect_s=0, step_s=0), trace, horizon)
+    spread = simulate(Spread(Grid(dp=16), transition_s=0, step_s=0), trace, horizon)
+    assert drop.ettr == pytest.approx(1 - mean_down / 16, rel=1e-6)
+    assert spread.ettr == pytest.approx(drop.ettr, rel=1e-6)
+    assert drop.breakdown["dropped"] == pytest.approx(horizon * mean_down / 16, rel=1e-6)
+    assert "dropped" not in spread.breakdown
+
+
+def test_spares_wait_for_a_repair_when_the_pool_is_empty():
+    from megatron_mecefo.sim.baselines import SparePool
+
+    trace = (tr.Failure(100.0, 0, 500.0), tr.Failure(200.0, 1, 500.0))
+    out = simulate(SparePool(spares=1, restart_s=10.0, lost_s=0.0), trace, 1000.0, timeline=True)
+    # 100-110 swap; 200-600 waiting (2 down, 1 spare), restart 600-610 when domain 0 is back
+    assert out.progress_s == pytest.approx(1000 - 10 - 400 - 10)
+    assert out.breakdown == pytest.approx({"restart": 20.0, "waiting_for_repair": 400.0})
+
+
+def test_p99_spares_and_the_cli_errors():
+    from megatron_mecefo.sim.__main__ import main
+    from megatron_mecefo.sim.run import p99_poisson
+
+    assert p99_poisson(4.0) == 9 and p99_poisson(0.01) == 0
+    assert main(["--gpus", "30", "--tp", "4", "--mtbf-hours", "1", "--cover-time-ratio", "1.1", "--seeds", "1"]) == 2
+    assert main(["--gpus", "32", "--cover-time-ratio", "1.1"]) == 2  # no failure rate
+    assert main(["--scenario", "high", "--systems", "mecefo,nope", "--cover-time-ratio", "1.1"]) == 2
+
+
+def test_the_cli_writes_every_systems_keys(tmp_path):
+    from megatron_mecefo.sim.__main__ import main
+    from megatron_mecefo.sim.run import SYSTEMS
+    import json
+
+    out = tmp_path / "r.json"
+    assert main(["--scenario", "high", "--systems", ",".join(SYSTEMS), "--hours", "48", "--seeds", "3",
+                 "--cover-time-ratio", "1.05", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for name in SYSTEMS:
+        r = result["systems"][name]
+        assert set(r) >= {"throughput_drop", "throughput_drop_ci95", "ettr", "approx_fraction", "breakdown"}, name
+        assert 0 <= r["throughput_drop"] < 1 and 0 < r["ettr"] <= 1, (name, r)
+    assert result["systems"]["mecefo"]["approx_fraction"] > 0.1
