@@ -4,6 +4,12 @@
   go on at full step speed; each failure discards the in-flight step of every group.
 * `Spread` (ReCoVer): the failed replicas' micro-batches are redistributed exactly over the
   survivors: speed (D - f) / D, nothing approximate, nothing dropped.
+* `Reconfigure` (Oobleck; Bamboo with `pipeline_stages`): every failure and every repair re-instantiates pipeline templates for
+  the nodes left (`reconfig_s`, the in-flight step lost); throughput follows a table of nodes
+  alive (default: proportional to them); below `min_domains` no template fits and training stops
+  until a repair. Bamboo's redundant computation lets a predecessor run a lost stage at 1.5x step
+  time, but with more than 2.5 % of the workers overloaded it re-rendezvouses at once (its rule),
+  so on a cluster of tens of nodes every failure is a reconfiguration to whole pipelines.
 * `SparePool` (recovery onto spares: a replicated-optimizer swap, NVRx in-process restart, an
   in-job restart from replicated local checkpoints): S spare domains idle while healthy; a failure
   swaps one in (downtime `restart_s`, rolls back `lost_s`); with none left the job waits for a repair.
@@ -12,13 +18,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import FrozenSet
+from typing import Dict, FrozenSet, Optional
 
 from megatron_mecefo.elastic.topology import Grid
 from megatron_mecefo.sim.engine import Rate, Transition
 from megatron_mecefo.sim.trace import Failure
 
-__all__ = ["DropSamples", "Spread", "SparePool"]
+__all__ = ["DropSamples", "Reconfigure", "Spread", "SparePool"]
 
 
 def _failed_replicas(grid: Grid, gpus_per_node: int, down: FrozenSet[int]) -> int:
@@ -87,3 +93,34 @@ class SparePool:
         if len(down) == self.spares:  # the job was waiting for this domain: it restarts with it
             return Transition(downtime_s=self.restart_s, cause="restart")
         return Transition()  # back in the spare pool
+
+
+@dataclasses.dataclass
+class Reconfigure:
+    domains: int
+    reconfig_s: float
+    step_s: float = 1.0
+    min_domains: int = 1
+    throughput: Optional[Dict[int, float]] = None
+    """Throughput by domains alive (any unit); None: proportional to the domains alive."""
+    pipeline_stages: Optional[int] = None
+    """Bamboo: only whole pipelines of this many domains train (the rest wait as standby)."""
+
+    def _speed(self, alive: int) -> float:
+        if alive < self.min_domains:
+            return 0.0
+        if self.pipeline_stages:
+            return (alive // self.pipeline_stages) / (self.domains // self.pipeline_stages)
+        if self.throughput is None:
+            return alive / self.domains
+        return self.throughput[min(alive, max(self.throughput))] / self.throughput[max(self.throughput)]
+
+    def rate(self, down):
+        speed = self._speed(self.domains - len(down))
+        return Rate(speed=speed, cause="fewer_nodes" if speed else "no_template_fits")
+
+    def on_failure(self, down, failure):
+        return Transition(downtime_s=self.reconfig_s, lost_s=self.step_s, cause="reconfigure")
+
+    def on_repair(self, down, domain):
+        return Transition(downtime_s=self.reconfig_s, cause="reconfigure")

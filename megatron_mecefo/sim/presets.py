@@ -36,7 +36,7 @@ SPARE_SWAP_S = 60.0  # a warm spare joins and receives the state from a replica 
 
 # -- Bamboo (NSDI'23) -----------------------------------------------------------------------------
 BAMBOO_FALLBACK_SLOWDOWN = 1.5  # step time while a predecessor runs a lost stage, sim constant [paper]
-BAMBOO_RECONFIG_S = 100.0  # re-rendezvous, Oobleck's measurement for GPT-3 350M (76-450 s by size) [paper]
+BAMBOO_RECONFIG_S = {"350M": 100.0, "1B": 230.0, "7B": 450.0}  # Oobleck's measurements of Bamboo's re-rendezvous for GPT-3 350M / 2.7B / 6.7B [paper]
 BAMBOO_PIPELINE_STAGES = 4  # [inferred]: the paper's setup is not reproduced here
 BAMBOO_FAILURE_FREE = {"350M": 0.62, "1B": 0.53, "7B": 0.19}  # Bamboo / Oobleck failure-free throughput, MeCeFO's table [paper]
 

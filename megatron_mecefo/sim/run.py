@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Optional
 
 from megatron_mecefo.elastic.topology import Grid
 from megatron_mecefo.sim import presets, trace as tr
-from megatron_mecefo.sim.baselines import DropSamples, SparePool, Spread
+from megatron_mecefo.sim.baselines import DropSamples, Reconfigure, SparePool, Spread
 from megatron_mecefo.sim.checkpoint_restart import CheckpointRestart, daly_interval
 from megatron_mecefo.sim.engine import Outcome, simulate
 from megatron_mecefo.sim.mecefo import MeCeFO
@@ -61,6 +61,8 @@ class Setup:
     step_s: float = 1.0
     checkpoint_write_s: float = presets.CKPT_WRITE_S
     restart_s: float = presets.RESTART_S
+    model: str = "1B"
+    """Which model size the size-dependent constants of the baselines are taken at (350M, 1B, 7B)."""
 
     def __post_init__(self) -> None:
         if self.gpus % self.gpus_per_node:
@@ -123,6 +125,11 @@ SYSTEMS: Dict[str, Callable[[Setup], tuple]] = {
     "torchft": lambda s: (_engine(lambda s: DropSamples(s.grid, s.gpus_per_node, presets.TORCHFT_DETECT_S, s.step_s,
                                                         presets.TORCHFT_OVERHEAD))(s), 1 / presets.TORCHFT_OVERHEAD, 1.0),
     "recover": lambda s: (_engine(lambda s: Spread(s.grid, s.gpus_per_node, presets.RECOVER_TRANSITION_S, s.step_s))(s), 1.0, 1.0),
+    "oobleck": lambda s: (_engine(lambda s: Reconfigure(s.domains, presets.OOBLECK_RECONFIG_S[s.model], s.step_s,
+                                                        min_domains=presets.OOBLECK_FAULT_THRESHOLD + 1))(s), 1.0, 1.0),
+    "bamboo": lambda s: (_engine(lambda s: Reconfigure(s.domains, presets.BAMBOO_RECONFIG_S[s.model], s.step_s,
+                                                       min_domains=presets.BAMBOO_PIPELINE_STAGES,
+                                                       pipeline_stages=presets.BAMBOO_PIPELINE_STAGES))(s), 1.0, 1.0),
     "replicated_optimizer_spares": lambda s: (_engine(lambda s: SparePool(s.spares, presets.SPARE_SWAP_S, s.step_s / 2))(s),
                                               1.0, s.domains / (s.domains + s.spares)),
     "nvrx_inprocess": lambda s: (_engine(lambda s: SparePool(s.spares, presets.NVRX_RESTART_S, s.step_s / 2))(s),
