@@ -123,4 +123,7 @@ class Reconfigure:
         return Transition(downtime_s=self.reconfig_s, lost_s=self.step_s, cause="reconfigure")
 
     def on_repair(self, down, domain):
+        alive = self.domains - len(down)
+        if self.pipeline_stages and alive // self.pipeline_stages == (alive - 1) // self.pipeline_stages:
+            return Transition()  # into the standby queue: not yet a whole pipeline
         return Transition(downtime_s=self.reconfig_s, cause="reconfigure")
