@@ -45,19 +45,36 @@ class MeCeFO:
         if not self.cover_ratio > 0:
             raise ValueError(f"cover_ratio must be > 0, got {self.cover_ratio}")
         self._fallback = False  # gave up: the replicas left run without covering until all are back
-
-    def _ranks(self, domain: int):
-        return range(domain * self.gpus_per_node, (domain + 1) * self.gpus_per_node)
+        g = self.gpus_per_node
+        self._replicas = [{self.grid.replica_of(r) for r in range(d * g, (d + 1) * g)}  # per domain
+                          for d in range(self.grid.world // g)]
+        # the ring plans replicas; a grid of replicas gives the same plan at a fraction of the cost
+        self._ring = Grid(dp=self.grid.dp)
+        self._plans = {}
 
     def _live_ranks(self, down: FrozenSet[int]):
-        dead = {r for d in down for r in self._ranks(d)}
-        return [r for r in range(self.grid.world) if r not in dead]
+        """The live replicas, as the ranks of the replica grid `_ring`."""
+        dead = set().union(*(self._replicas[d] for d in down)) if down else set()
+        return [r for r in range(self.grid.dp) if r not in dead]
+
+    def _plan(self, down: FrozenSet[int]):
+        """(live replicas, the ring's cover map or None when no cover exists), memoized: a state
+        recurs often (one or two domains down) and planning is the simulation's main cost."""
+        key = frozenset().union(*(self._replicas[d] for d in down)) if down else frozenset()
+        plan = self._plans.get(key)
+        if plan is None:
+            live = tuple(r for r in range(self.grid.dp) if r not in key)
+            try:
+                cover = ring_cover(self._ring, live)
+            except NoCoverAvailable:
+                cover = None
+            plan = self._plans[key] = (live, cover)
+        return plan
 
     def rate(self, down: FrozenSet[int]) -> Rate:
-        live = self.grid.live_replicas(self._live_ranks(down))
+        live, cover = self._plan(down)
         if self._fallback:
             return Rate(speed=len(live) / self.grid.dp, cause="fewer_replicas")
-        cover = ring_cover(self.grid, self._live_ranks(down))
         if not cover.degraded:
             return Rate(speed=1.0)
         # a covering rank faster than a normal one (measured below 1 at LLaMA-1B size on CPU) still
@@ -67,21 +84,15 @@ class MeCeFO:
     def on_failure(self, down: FrozenSet[int], failure: Failure) -> Transition:
         if self._fallback:
             return Transition()  # a replica fewer; the next restart is a repair's
-        before = self.grid.live_replicas(self._live_ranks(down - {failure.domain}))
-        if self.grid.live_replicas(self._live_ranks(down)) == before:
+        live, cover = self._plan(down)
+        if live == self._plan(down - {failure.domain})[0]:
             return Transition()  # its replica was retired already: an idle rank
-        try:
-            ring_cover(self.grid, self._live_ranks(down))
-        except NoCoverAvailable:
+        if cover is None:
             self._fallback = True
             return Transition(downtime_s=self.restart_s, fatal=True, cause="restart")
         return Transition(downtime_s=self.recovery_s, lost_s=self.step_s / 2, cause="recovery")
 
     def on_repair(self, down: FrozenSet[int], domain: int) -> Transition:
-        if self._fallback:
-            try:
-                ring_cover(self.grid, self._live_ranks(down))
-            except NoCoverAvailable:
-                return Transition(downtime_s=self.rejoin_s, cause="recovery")
+        if self._fallback and self._plan(down)[1] is not None:
             self._fallback = False  # coverable again: back to the neighbour scheme
         return Transition(downtime_s=self.rejoin_s, cause="recovery")
