@@ -110,9 +110,9 @@ def run(args, out: Path, extra, seed: int):
     for p in out.glob("steps_rank*.jsonl"):
         for r in map(json.loads, p.read_text().splitlines()):
             steps.setdefault(r["step"], r)
-        own_exact += [not c for r in map(json.loads, p.read_text().splitlines())  # covering ranks' own micro-batches
-                       if len({m[0] for m in r.get("micro_batches", [])}) > 1 for replica, _, c in r["micro_batches"]
-                       if replica == r["micro_batches"][0][0]]
+            mbs = r.get("micro_batches", [])
+            if len({m[0] for m in mbs}) > 1:  # a covering rank: did its own micro-batches run exact?
+                own_exact += [not covering for replica, _, covering in mbs if replica == mbs[0][0]]
     curve = [steps[s]["loss"] for s in sorted(steps)]
     down = sum(args.ranks - len(steps[s]["live"]) for s in steps) / (len(steps) * args.ranks)
     return {"val_loss": val[-1], "loss_curve": curve, "fraction_down": down, "wall_s": time.time() - t0,

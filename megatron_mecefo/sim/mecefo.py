@@ -52,11 +52,6 @@ class MeCeFO:
         self._ring = Grid(dp=self.grid.dp)
         self._plans = {}
 
-    def _live_ranks(self, down: FrozenSet[int]):
-        """The live replicas, as the ranks of the replica grid `_ring`."""
-        dead = set().union(*(self._replicas[d] for d in down)) if down else set()
-        return [r for r in range(self.grid.dp) if r not in dead]
-
     def _plan(self, down: FrozenSet[int]):
         """(live replicas, the ring's cover map or None when no cover exists), memoized: a state
         recurs often (one or two domains down) and planning is the simulation's main cost."""

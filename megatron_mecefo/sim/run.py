@@ -91,8 +91,8 @@ class Setup:
                   repair_hours=args.repair_hours if args.repair_hours is not None else preset.get("repair_hours", 2.0))
         if kw["gpus"] is None:
             raise ValueError("give --gpus or --scenario")
-        if args.failures_per_1000_node_days is not None:
-            kw["mtbf_hours"] = None if args.mtbf_hours is None else args.mtbf_hours
+        if args.failures_per_1000_node_days is not None:  # the rate replaces a scenario's MTBF
+            kw["mtbf_hours"] = args.mtbf_hours
         optional = {"checkpoint_write_s": args.checkpoint_write_s, "restart_s": args.restart_s}
         return cls(**kw, gpus_per_node=args.gpus_per_node, tp=args.tp, pp=args.pp,
                    failures_per_1000_node_days=args.failures_per_1000_node_days, repair=args.repair, hours=args.hours,
