@@ -60,6 +60,9 @@ class Outcome:
     fatal_events: int
     timeline: List[dict]
     """(t, down, speed) at every event, for the plot."""
+    wasted_wall_s: float = 0.0
+    """Wall seconds that went into work later rolled back (each loss at the speed it was made at):
+    the "fallback" time of Oobleck's artifact simulator."""
 
     @property
     def ettr(self) -> float:
@@ -71,7 +74,7 @@ def simulate(system, trace: Sequence[Failure], horizon_s: float, *, timeline: bo
     events = [(f.t, 0, i, f) for i, f in enumerate(trace) if f.t < horizon_s]
     heapq.heapify(events)
     down: FrozenSet[int] = frozenset()
-    t, progress, approx_progress, fatal = 0.0, 0.0, 0.0, 0
+    t, progress, approx_progress, fatal, wasted = 0.0, 0.0, 0.0, 0, 0.0
     breakdown: Dict[str, float] = {}
     marks: List[dict] = []
     blocked_until = 0.0  # a transition's downtime ends here; events during it still count
@@ -91,8 +94,8 @@ def simulate(system, trace: Sequence[Failure], horizon_s: float, *, timeline: bo
                 breakdown["dropped"] = breakdown.get("dropped", 0.0) + dt * r.speed * r.dropped
         t = max(t, to)
 
-    def apply(tr: Transition) -> None:
-        nonlocal progress, blocked_until, fatal
+    def apply(tr: Transition, speed_before: float) -> None:
+        nonlocal progress, blocked_until, fatal, wasted
         if tr.downtime_s:
             start = max(t, blocked_until)
             end = min(start + tr.downtime_s, horizon_s)
@@ -101,6 +104,7 @@ def simulate(system, trace: Sequence[Failure], horizon_s: float, *, timeline: bo
         if tr.lost_s:
             lost = min(tr.lost_s, progress)
             progress -= lost
+            wasted += lost / speed_before if speed_before > 0 else lost
             breakdown["lost_work"] = breakdown.get("lost_work", 0.0) + lost
         fatal += tr.fatal
 
@@ -109,14 +113,16 @@ def simulate(system, trace: Sequence[Failure], horizon_s: float, *, timeline: bo
         if when >= horizon_s:
             break
         advance(when)
+        speed_before = system.rate(down).speed
         if kind == 0:  # a failure
             down = down | {payload.domain}
-            apply(system.on_failure(down, payload))
+            apply(system.on_failure(down, payload), speed_before)
             heapq.heappush(events, (when + payload.repair, 1, payload.domain, payload.domain))
         else:
             down = down - {payload}
-            apply(system.on_repair(down, payload))
+            apply(system.on_repair(down, payload), speed_before)
         if timeline:
             marks.append({"t": when, "down": len(down), "speed": system.rate(down).speed})
     advance(horizon_s)
-    return Outcome(horizon_s, progress, breakdown, approx_progress / progress if progress else 0.0, fatal, marks)
+    return Outcome(horizon_s, progress, breakdown, approx_progress / progress if progress else 0.0, fatal, marks,
+                   wasted)

@@ -9,7 +9,8 @@ seed) pair is one trace for every system compared on it.
   cannot fail again); repair fixed, exponential or lognormal.
 * `weibull`: the same with Weibull inter-failure times (shape < 1: failures come in bursts).
 * `lemon`: two classes of domains, a few failing `factor` times as often as the rest.
-* CSV in and out: `t_s,domain,repair_s`.
+* CSV in and out: `t_s,domain,repair_s`; `read_node_events` reads the `delta_ms,add|remove,name`
+  traces of Oobleck's artifact simulator (SymbioticLab/Oobleck, tools/simulator/traces).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import random
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple
 
-__all__ = ["Failure", "Repair", "poisson", "weibull", "lemon", "read_csv", "write_csv", "concurrency"]
+__all__ = ["Failure", "Repair", "poisson", "weibull", "lemon", "read_csv", "write_csv", "read_node_events", "concurrency"]
 
 HOUR = 3600.0
 DAY = 24 * HOUR
@@ -162,3 +163,28 @@ def read_csv(path: Path) -> Tuple[Failure, ...]:
     if any(e.t < 0 or e.repair <= 0 or e.domain < 0 for e in trace):
         raise ValueError(f"{path}: times must be >= 0, repairs > 0 and domains >= 0")
     return trace
+
+
+def read_node_events(lines: Iterable[str]) -> Tuple[int, Tuple[Failure, ...]]:
+    """(domains, trace) from rows `delta_ms,add|remove,name` (Oobleck's artifact traces). The nodes
+    added at time 0 are the domains; a removal keeps its domain down until the next later addition
+    (a new node takes the place of the oldest outage), or for good when none comes."""
+    rows = [r for r in csv.reader(lines) if r]
+    try:
+        events = sorted((int(t) / 1000.0, kind.strip(), name.strip()) for t, kind, name in rows)
+    except ValueError as e:
+        raise ValueError(f"expected rows delta_ms,add|remove,name ({e})") from None
+    if any(kind not in ("add", "remove") for _, kind, _ in events):
+        raise ValueError("an event is neither add nor remove")
+    index = {name: i for i, (t, kind, name) in enumerate(e for e in events if e[0] == 0 and e[1] == "add")}
+    outages: List[List[float]] = []  # [t, domain, back_at]
+    waiting: List[List[float]] = []
+    for t, kind, name in events:
+        if kind == "remove":
+            if name not in index:
+                raise ValueError(f"node {name!r} is removed but was not added at time 0")
+            outages.append([t, index[name], math.inf])
+            waiting.append(outages[-1])
+        elif t > 0 and waiting:
+            waiting.pop(0)[2] = t
+    return len(index), tuple(Failure(t, int(d), back - t) for t, d, back in outages)

@@ -131,3 +131,34 @@ def test_the_cli_writes_every_systems_keys(tmp_path):
         assert set(r) >= {"throughput_drop", "throughput_drop_ci95", "ettr", "approx_fraction", "breakdown"}, name
         assert 0 <= r["throughput_drop"] < 1 and 0 < r["ettr"] <= 1, (name, r)
     assert result["systems"]["mecefo"]["approx_fraction"] > 0.1
+
+
+def test_oobleck_reproduces_its_artifacts_time_shares():
+    """Oobleck's artifact simulator, BERT-large on its 10-minute trace (30 nodes, one removed every
+    601.2 s, run until the last removal): the published effective / rebalance / fallback shares of
+    wall time, within 3 points, from the artifact's own constants (presets) and trace format."""
+    from megatron_mecefo.sim.baselines import Reconfigure
+    from megatron_mecefo.sim.presets import OOBLECK_ARTIFACT_BERT_LARGE as bert
+
+    rows = [f"0,add,node{i}" for i in range(1, 31)]
+    rows += [f"{601_200 * k},remove,node{k}" for k in range(1, 16)]
+    domains, trace = tr.read_node_events(rows)
+    assert domains == 30 and len(trace) == 15 and all(f.repair == math.inf for f in trace)
+    tput = bert["samples_per_s"]
+    step_s = bert["samples_per_step"] / tput[30]
+    policy = Reconfigure(domains, bert["reconfig_s"], step_s, throughput=tput)
+    out = simulate(policy, trace, horizon_s=15 * 601.2)
+    shares = {"rebalance": out.breakdown["reconfigure"] / out.wall_s, "fallback": out.wasted_wall_s / out.wall_s}
+    shares["effective"] = 1 - shares["rebalance"] - shares["fallback"]
+    for key, published in bert["shares_10m"].items():
+        assert shares[key] == pytest.approx(published, abs=0.03), (key, shares)
+    # each removal lost one step at the speed it ran at: 14 removals before the horizon
+    assert out.wasted_wall_s == pytest.approx(sum(bert["samples_per_step"] / tput[n] for n in range(30, 16, -1)))
+
+
+def test_node_event_traces_repair_on_a_later_addition():
+    domains, trace = tr.read_node_events(["0,add,a", "0,add,b", "1000,remove,b", "5000,add,c", "7000,remove,a"])
+    assert domains == 2
+    assert trace == (tr.Failure(1.0, 1, 4.0), tr.Failure(7.0, 0, math.inf))
+    with pytest.raises(ValueError, match="not added at time 0"):
+        tr.read_node_events(["0,add,a", "10,remove,z"])
