@@ -32,6 +32,13 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--failures-per-1000-node-days", type=float, default=None, help="per failure domain (Meta's r_f)")
     p.add_argument("--repair-hours", type=float, default=None)
     p.add_argument("--repair", choices=["fixed", "exponential", "lognormal"], default="fixed")
+    p.add_argument("--weibull-shape", type=float, default=None, help="Weibull inter-failure times of this shape (< 1: bursts)")
+    p.add_argument("--lemons", type=int, default=0, help="this many failure domains fail --lemon-factor times as often")
+    p.add_argument("--lemon-factor", type=float, default=10.0)
+    p.add_argument("--trace-csv", type=Path, default=None, help="a trace (t_s,domain,repair_s) instead of a generated one")
+    p.add_argument("--model", choices=["350M", "1B", "7B"], default="1B",
+                   help="size of the model (the baselines' size-dependent constants, the re-shard volume)")
+    p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per replica and step")
     p.add_argument("--hours", type=float, default=720.0, help="simulated wall time")
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--cover-time-ratio", type=float, default=None, help="MeCeFO's covering step over a normal one "

@@ -10,6 +10,10 @@
   until a repair. Bamboo's redundant computation lets a predecessor run a lost stage at 1.5x step
   time, but with more than 2.5 % of the workers overloaded it re-rendezvouses at once (its rule),
   so on a cluster of tens of nodes every failure is a reconfiguration to whole pipelines.
+* `Reroute` (ReCycle, needs pipelines): a failed server's micro-batches go to the same-stage servers
+  of the other pipelines, which fit them into their 1F1B bubbles (decoupled weight gradients): with
+  f of D replicas down in one stage, e = ceil(f m / (D - f)) extra micro-batches per peer and
+  iteration time x max(1, (m + e + (P - 1)(1 - absorbed)) / (m + P - 1)), worst stage; exact, nothing dropped.
 * `SparePool` (recovery onto spares: a replicated-optimizer swap, NVRx in-process restart, an
   in-job restart from replicated local checkpoints): S spare domains idle while healthy; a failure
   swaps one in (downtime `restart_s`, rolls back `lost_s`); with none left the job waits for a repair.
@@ -18,13 +22,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, FrozenSet, Optional
 
 from megatron_mecefo.elastic.topology import Grid
 from megatron_mecefo.sim.engine import Rate, Transition
 from megatron_mecefo.sim.trace import Failure
 
-__all__ = ["DropSamples", "Reconfigure", "Spread", "SparePool"]
+__all__ = ["DropSamples", "Reconfigure", "Reroute", "Spread", "SparePool"]
 
 
 def _failed_replicas(grid: Grid, gpus_per_node: int, down: FrozenSet[int]) -> int:
@@ -73,16 +78,50 @@ class Spread:
 
 
 @dataclasses.dataclass
+class Reroute:
+    grid: Grid
+    gpus_per_node: int = 1
+    micro_batches: int = 8
+    absorbed: float = 1.0
+    transition_s: float = 5.0
+    step_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.grid.pp < 2:
+            raise ValueError("ReCycle reroutes into pipeline bubbles: it needs --pp > 1")
+
+    def rate(self, down):
+        g, grid, m, p = self.gpus_per_node, self.grid, self.micro_batches, self.grid.pp
+        dead = {r for d in down for r in range(d * g, (d + 1) * g)}
+        worst = 1.0
+        for stage in range(p):  # a stage's failed replicas: any of its (tp) ranks down
+            f = len({grid.replica_of(r) for r in dead if grid.position(r)[1] == stage})
+            if f == grid.dp:
+                return Rate(speed=0.0, cause="no_replica_left")
+            e = math.ceil(f * m / (grid.dp - f))
+            worst = max(worst, (m + e + (p - 1) * (1 - self.absorbed)) / (m + p - 1))
+        return Rate(speed=1.0 / worst)
+
+    def on_failure(self, down, failure):
+        return Transition(downtime_s=self.transition_s, lost_s=self.step_s / 2, cause="recovery")
+
+    def on_repair(self, down, domain):
+        return Transition(downtime_s=self.transition_s, cause="recovery")
+
+
+@dataclasses.dataclass
 class SparePool:
     spares: int
     restart_s: float
     lost_s: float
     """Progress rolled back per failure (half a step; half a local checkpoint interval)."""
+    overhead: float = 1.0
+    """Steady-state step time over a plain job's (e.g. local checkpoint writes)."""
 
     def rate(self, down):
         if len(down) > self.spares:
             return Rate(speed=0.0, cause="waiting_for_repair")
-        return Rate(speed=1.0)
+        return Rate(speed=1.0 / self.overhead, cause="overhead")
 
     def on_failure(self, down, failure):
         if len(down) > self.spares:  # no spare left: the job stops until a repair (rate 0)

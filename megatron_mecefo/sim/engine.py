@@ -63,6 +63,8 @@ class Outcome:
     wasted_wall_s: float = 0.0
     """Wall seconds that went into work later rolled back (each loss at the speed it was made at):
     the "fallback" time of Oobleck's artifact simulator."""
+    counters: Dict[str, int] = dataclasses.field(default_factory=dict)
+    """The policy's own event counts (its `counters()`, e.g. MeCeFO's shard losses)."""
 
     @property
     def ettr(self) -> float:
@@ -124,5 +126,6 @@ def simulate(system, trace: Sequence[Failure], horizon_s: float, *, timeline: bo
         if timeline:
             marks.append({"t": when, "down": len(down), "speed": system.rate(down).speed})
     advance(horizon_s)
+    counters = system.counters() if hasattr(system, "counters") else {}
     return Outcome(horizon_s, progress, breakdown, approx_progress / progress if progress else 0.0, fatal, marks,
-                   wasted)
+                   wasted, counters)

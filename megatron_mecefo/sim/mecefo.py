@@ -11,11 +11,23 @@ by the survivors; a repair costs the rejoin (state transfer and regroup). When n
 (`NoCoverAvailable`) the job gives up with a checkpoint of its last committed step (nothing is
 lost) and is restarted (`restart_s`) on the replicas left, which then run the whole global batch
 between them (speed = live / D, exact) until repairs let replicas rejoin in-process.
+
+Two what-ifs beside the runtime's rule:
+* `spread=True` (not in the runtime): each lost replica's `micro_batches` are dealt out over all
+  survivors, who keep their own exact; an approximate micro-batch costs `cover_ratio / 2` of an
+  exact one (the covering rank runs two micro-batch loads approximately for `cover_ratio`), so a
+  step takes 1 + ceil(f m / (D - f)) / m * cover_ratio / 2, and only f / D of the data is approximate.
+* `sharded=True` (the sharded optimizer, elastic/zero.py): every failure and rejoin re-shards the
+  optimizer state (`reshard_s` more), and a replica whose shard copy sat on a replica that failed
+  with it (the next live one on the ring: in one domain, or already down) loses that range:
+  `on_shard_loss` "give_up" ends the job (a restart and the work since the last periodic
+  checkpoint, `shard_loss_lost_s`), "reinit" rebuilds the range and goes on (counted, no time).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import FrozenSet
 
 from megatron_mecefo.elastic.topology import Grid, ring_cover
@@ -40,10 +52,21 @@ class MeCeFO:
     """A repaired domain's rejoin: state transfer and regroup."""
     restart_s: float = 600.0
     """Give-up to training again (a new job on the replicas left, reading the checkpoint)."""
+    spread: bool = False
+    micro_batches: int = 8
+    """Micro-batches per replica and step (the spread's granularity)."""
+    sharded: bool = False
+    reshard_s: float = 0.0
+    on_shard_loss: str = "give_up"
+    shard_loss_lost_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.cover_ratio > 0:
             raise ValueError(f"cover_ratio must be > 0, got {self.cover_ratio}")
+        if self.on_shard_loss not in ("give_up", "reinit"):
+            raise ValueError(f'on_shard_loss must be "give_up" or "reinit", got {self.on_shard_loss!r}')
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         self._fallback = False  # gave up: the replicas left run without covering until all are back
         g = self.gpus_per_node
         self._replicas = [{self.grid.replica_of(r) for r in range(d * g, (d + 1) * g)}  # per domain
@@ -51,6 +74,10 @@ class MeCeFO:
         # the ring plans replicas; a grid of replicas gives the same plan at a fraction of the cost
         self._ring = Grid(dp=self.grid.dp)
         self._plans = {}
+        self.shard_losses = 0
+
+    def counters(self):
+        return {"shard_losses": self.shard_losses} if self.sharded else {}
 
     def _plan(self, down: FrozenSet[int]):
         """(live replicas, the ring's cover map or None when no cover exists), memoized: a state
@@ -72,6 +99,10 @@ class MeCeFO:
             return Rate(speed=len(live) / self.grid.dp, cause="fewer_replicas")
         if not cover.degraded:
             return Rate(speed=1.0)
+        if self.spread:
+            f, m = self.grid.dp - len(live), self.micro_batches
+            extra = math.ceil(f * m / len(live))
+            return Rate(speed=1.0 / (1 + extra / m * self.cover_ratio / 2), approx=f / self.grid.dp)
         # a covering rank faster than a normal one (measured below 1 at LLaMA-1B size on CPU) still
         # waits for the others at the reduction
         return Rate(speed=1.0 / max(1.0, self.cover_ratio), approx=2 * len(cover.cover) / self.grid.dp)
@@ -80,14 +111,25 @@ class MeCeFO:
         if self._fallback:
             return Transition()  # a replica fewer; the next restart is a repair's
         live, cover = self._plan(down)
-        if live == self._plan(down - {failure.domain})[0]:
+        before = self._plan(down - {failure.domain})[0]
+        if live == before:
             return Transition()  # its replica was retired already: an idle rank
         if cover is None:
             self._fallback = True
             return Transition(downtime_s=self.restart_s, fatal=True, cause="restart")
-        return Transition(downtime_s=self.recovery_s, lost_s=self.step_s / 2, cause="recovery")
+        if self.sharded and self._loses_a_shard(before, live):
+            self.shard_losses += 1
+            if self.on_shard_loss == "give_up":
+                return Transition(downtime_s=self.restart_s, lost_s=self.shard_loss_lost_s, fatal=True, cause="restart")
+        return Transition(downtime_s=self.recovery_s + self.reshard_s, lost_s=self.step_s / 2, cause="recovery")
+
+    @staticmethod
+    def _loses_a_shard(before, live) -> bool:
+        """Some newly retired replica's copy holder (the next replica on the ring that was live) is gone too."""
+        gone = [r for r in before if r not in live]
+        return any(before[(before.index(r) + 1) % len(before)] not in live for r in gone)
 
     def on_repair(self, down: FrozenSet[int], domain: int) -> Transition:
         if self._fallback and self._plan(down)[1] is not None:
             self._fallback = False  # coverable again: back to the neighbour scheme
-        return Transition(downtime_s=self.rejoin_s, cause="recovery")
+        return Transition(downtime_s=self.rejoin_s + self.reshard_s, cause="recovery")

@@ -31,6 +31,16 @@ INMEMORY_RESTART_S = 150.0  # FlashRecovery: 150 s at 4,800 devices (arXiv 2509.
 # -- NVRx in-process restart (Megatron --inprocess-restart) -------------------------------------
 NVRX_RESTART_S = 0.5 + 1.0 + 0.5 + 0.5 + 60.0  # destroy PG, last_call_wait, rank assignment, barrier, + rebuild/load [paper + inferred]
 
+# -- in-job restart from replicated local checkpoints (NVRx launcher, Megatron --non-persistent-ckpt-type local --replication)
+LOCAL_CKPT_INTERVAL_S = 600.0  # a local checkpoint every ~10 min (cheap, asynchronous) [inferred]
+LOCAL_CKPT_OVERHEAD = 1.0  # asynchronous writes hidden behind compute [inferred]
+NVRX_INJOB_RESTART_S = 120.0  # process restart + init + load from a local / peer copy [inferred]
+
+# -- model sizes and the interconnect (MeCeFO's re-shard of a sharded optimizer) ----------------
+MODEL_PARAMS = {"350M": 0.35e9, "1B": 1.0e9, "7B": 7.0e9}
+OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master + AdamW moments [inferred]
+PEER_BYTES_PER_S = 25e9  # 200 Gb/s per GPU (one InfiniBand HDR port) [inferred]
+
 # -- spares and replicated optimizer state (HyperPod checkpointless, MindSpeed replica optimizer) -
 SPARE_SWAP_S = 60.0  # a warm spare joins and receives the state from a replica [inferred]
 
@@ -66,6 +76,8 @@ RECOVER_TRANSITION_S = 5.0  # "seconds + partial step" [inferred]
 
 # -- ReCycle (SOSP'24) ------------------------------------------------------------------------------
 RECYCLE_BUBBLE_ABSORBED = 1.0  # share of the 1F1B bubble the extra micro-batches fill (ideal) [inferred]
+RECYCLE_TRANSITION_S = 5.0  # the planner's precomputed schedules: seconds [inferred]
+MICRO_BATCHES = 8  # micro-batches per replica and step (ReCycle's bubbles, MeCeFO's spread) [inferred]
 
 # -- MeCeFO: the paper's own throughput drops at its high scenario --------------------------------
 PAPER_DROP = {"350M": 0.0107, "1B": 0.0298, "7B": 0.0418}  # [paper]

@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Optional
 
 from megatron_mecefo.elastic.topology import Grid
 from megatron_mecefo.sim import presets, trace as tr
-from megatron_mecefo.sim.baselines import DropSamples, Reconfigure, SparePool, Spread
+from megatron_mecefo.sim.baselines import DropSamples, Reconfigure, Reroute, SparePool, Spread
 from megatron_mecefo.sim.checkpoint_restart import CheckpointRestart, daly_interval
 from megatron_mecefo.sim.engine import Outcome, simulate
 from megatron_mecefo.sim.mecefo import MeCeFO
@@ -63,12 +63,28 @@ class Setup:
     restart_s: float = presets.RESTART_S
     model: str = "1B"
     """Which model size the size-dependent constants of the baselines are taken at (350M, 1B, 7B)."""
+    micro_batches: int = presets.MICRO_BATCHES
+    trace_kind: str = "poisson"
+    """"poisson", "weibull" (`weibull_shape`), "lemon" (`lemons` domains `lemon_factor` x as
+    failure-prone) or "csv" (`trace_csv`, the same trace for every seed)."""
+    weibull_shape: float = 0.7
+    lemons: int = 0
+    lemon_factor: float = 10.0
+    trace_csv: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.gpus % self.gpus_per_node:
             raise ValueError(f"--gpus {self.gpus} is not a multiple of --gpus-per-node {self.gpus_per_node}")
         if self.gpus % (self.tp * self.pp):
             raise ValueError(f"--gpus {self.gpus} is not a multiple of tp x pp = {self.tp * self.pp}")
+        if self.model not in presets.MODEL_PARAMS:
+            raise ValueError(f"--model must be one of {sorted(presets.MODEL_PARAMS)}, got {self.model!r}")
+        if self.trace_kind not in ("poisson", "weibull", "lemon", "csv"):
+            raise ValueError(f"unknown trace kind {self.trace_kind!r}")
+        if (self.trace_kind == "csv") != (self.trace_csv is not None):
+            raise ValueError("--trace-csv and the csv trace kind go together")
+        if self.trace_kind == "lemon" and not 0 < self.lemons <= self.gpus // self.gpus_per_node:
+            raise ValueError(f"--lemons must be in 1..{self.gpus // self.gpus_per_node} (failure domains)")
         if (self.mtbf_hours is None) == (self.failures_per_1000_node_days is None):
             raise ValueError("give exactly one of --mtbf-hours / --scenario and --failures-per-1000-node-days")
         self.grid = Grid(tp=self.tp, pp=self.pp, dp=self.gpus // (self.tp * self.pp))
@@ -94,15 +110,35 @@ class Setup:
         if args.failures_per_1000_node_days is not None:  # the rate replaces a scenario's MTBF
             kw["mtbf_hours"] = args.mtbf_hours
         optional = {"checkpoint_write_s": args.checkpoint_write_s, "restart_s": args.restart_s}
+        kind = "csv" if args.trace_csv else "weibull" if args.weibull_shape else "lemon" if args.lemons else "poisson"
         return cls(**kw, gpus_per_node=args.gpus_per_node, tp=args.tp, pp=args.pp,
                    failures_per_1000_node_days=args.failures_per_1000_node_days, repair=args.repair, hours=args.hours,
-                   spares=args.spares, cover_time_ratio=args.cover_time_ratio, step_s=args.step_s,
+                   spares=args.spares, cover_time_ratio=args.cover_time_ratio, step_s=args.step_s, model=args.model,
+                   micro_batches=args.micro_batches, trace_kind=kind, weibull_shape=args.weibull_shape or 0.7,
+                   lemons=args.lemons, lemon_factor=args.lemon_factor,
+                   trace_csv=str(args.trace_csv) if args.trace_csv else None,
                    **{k: v for k, v in optional.items() if v is not None})
 
     def trace(self, seed: int):
-        return tr.poisson(domains=self.domains, horizon_s=self.hours * tr.HOUR,
-                          repair=tr.Repair(self.repair_hours * tr.HOUR, self.repair), seed=seed,
-                          mtbf_hours=1 / self.rate / tr.HOUR)
+        common = dict(domains=self.domains, horizon_s=self.hours * tr.HOUR, seed=seed,
+                      repair=tr.Repair(self.repair_hours * tr.HOUR, self.repair))
+        mtbf = 1 / self.rate / tr.HOUR
+        if self.trace_kind == "csv":
+            trace = tr.read_csv(Path(self.trace_csv))
+            if any(f.domain >= self.domains for f in trace):
+                raise ValueError(f"{self.trace_csv}: a domain is >= the {self.domains} failure domains of this cluster")
+            return trace
+        if self.trace_kind == "weibull":
+            return tr.weibull(shape=self.weibull_shape, mtbf_hours=mtbf, **common)
+        if self.trace_kind == "lemon":
+            return tr.lemon(lemons=self.lemons, factor=self.lemon_factor, mtbf_hours=mtbf, **common)
+        return tr.poisson(mtbf_hours=mtbf, **common)
+
+    @property
+    def reshard_s(self) -> float:
+        """A re-shard moves about one rank's new share of the optimizer state."""
+        per_rank = presets.MODEL_PARAMS[self.model] * presets.OPTIMIZER_BYTES_PER_PARAM / (self.tp * self.pp * self.grid.dp)
+        return per_rank / presets.PEER_BYTES_PER_S
 
 
 # name -> (setup -> (run(trace, horizon) -> Outcome, failure-free speed, share of provisioned GPUs training))
@@ -117,13 +153,27 @@ def _cr(write, restart):
     return make
 
 
+def _mecefo(**what_if):
+    def policy(s: Setup) -> MeCeFO:
+        kw = dict(what_if)
+        if kw.get("sharded"):  # a give-up reloads the last periodic checkpoint: half an interval lost
+            kw.update(reshard_s=s.reshard_s, shard_loss_lost_s=daly_interval(s.checkpoint_write_s, 1 / s.rate) / 2)
+        return MeCeFO(s.grid, s.gpus_per_node, s.cover_time_ratio, s.step_s, s.recovery_s, s.recovery_s, s.restart_s,
+                      micro_batches=s.micro_batches, **kw)
+    return lambda s: (_engine(policy)(s), 1.0, 1.0)
+
+
 SYSTEMS: Dict[str, Callable[[Setup], tuple]] = {
-    "mecefo": lambda s: (_engine(lambda s: MeCeFO(s.grid, s.gpus_per_node, s.cover_time_ratio, s.step_s, s.recovery_s,
-                                                   s.recovery_s, s.restart_s))(s), 1.0, 1.0),
+    "mecefo": _mecefo(),
+    "mecefo_spread": _mecefo(spread=True),
+    "mecefo_sharded": _mecefo(sharded=True, on_shard_loss="give_up"),
+    "mecefo_sharded_reinit": _mecefo(sharded=True, on_shard_loss="reinit"),
     "checkpoint_restart": _cr(lambda s: s.checkpoint_write_s, lambda s: s.restart_s),
     "inmemory_checkpoint": _cr(lambda s: presets.INMEMORY_CKPT_WRITE_S, lambda s: presets.INMEMORY_RESTART_S),
     "torchft": lambda s: (_engine(lambda s: DropSamples(s.grid, s.gpus_per_node, presets.TORCHFT_DETECT_S, s.step_s,
                                                         presets.TORCHFT_OVERHEAD))(s), 1 / presets.TORCHFT_OVERHEAD, 1.0),
+    "recycle": lambda s: (_engine(lambda s: Reroute(s.grid, s.gpus_per_node, s.micro_batches, presets.RECYCLE_BUBBLE_ABSORBED,
+                                                    presets.RECYCLE_TRANSITION_S, s.step_s))(s), 1.0, 1.0),
     "recover": lambda s: (_engine(lambda s: Spread(s.grid, s.gpus_per_node, presets.RECOVER_TRANSITION_S, s.step_s))(s), 1.0, 1.0),
     "oobleck": lambda s: (_engine(lambda s: Reconfigure(s.domains, presets.OOBLECK_RECONFIG_S[s.model], s.step_s,
                                                         min_domains=presets.OOBLECK_FAULT_THRESHOLD + 1))(s), 1.0, 1.0),
@@ -132,6 +182,10 @@ SYSTEMS: Dict[str, Callable[[Setup], tuple]] = {
                                                        pipeline_stages=presets.BAMBOO_PIPELINE_STAGES))(s), 1.0, 1.0),
     "replicated_optimizer_spares": lambda s: (_engine(lambda s: SparePool(s.spares, presets.SPARE_SWAP_S, s.step_s / 2))(s),
                                               1.0, s.domains / (s.domains + s.spares)),
+    "nvrx_local_checkpoint": lambda s: (_engine(lambda s: SparePool(s.spares, presets.NVRX_INJOB_RESTART_S,
+                                                                    presets.LOCAL_CKPT_INTERVAL_S / 2,
+                                                                    presets.LOCAL_CKPT_OVERHEAD))(s),
+                                        1.0, s.domains / (s.domains + s.spares)),
     "nvrx_inprocess": lambda s: (_engine(lambda s: SparePool(s.spares, presets.NVRX_RESTART_S, s.step_s / 2))(s),
                                  1.0, s.domains / (s.domains + s.spares)),
 }
@@ -163,6 +217,7 @@ def run_all(setup: Setup, systems: List[str], *, seeds: int) -> dict:
             "approx_fraction": statistics.mean(o.approx_fraction for o in outcomes),
             "dropped_fraction": statistics.mean(o.breakdown.get("dropped", 0.0) / o.wall_s for o in outcomes),
             "fatal_events": statistics.mean(o.fatal_events for o in outcomes),
+            **{k: statistics.mean(o.counters.get(k, 0) for o in outcomes) for k in sorted({k for o in outcomes for k in o.counters})},
             "breakdown": {k: statistics.mean(o.breakdown.get(k, 0.0) for o in outcomes) / tr.HOUR for k in causes},
             "failure_free_speed": ff_speed, "provisioned_share": provisioned,
         }

@@ -123,7 +123,7 @@ def test_the_cli_writes_every_systems_keys(tmp_path):
     import json
 
     out = tmp_path / "r.json"
-    assert main(["--scenario", "high", "--systems", ",".join(SYSTEMS), "--hours", "48", "--seeds", "3",
+    assert main(["--scenario", "high", "--systems", ",".join(SYSTEMS), "--hours", "48", "--seeds", "3", "--pp", "2",
                  "--cover-time-ratio", "1.05", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     for name in SYSTEMS:
@@ -162,3 +162,70 @@ def test_node_event_traces_repair_on_a_later_addition():
     assert trace == (tr.Failure(1.0, 1, 4.0), tr.Failure(7.0, 0, math.inf))
     with pytest.raises(ValueError, match="not added at time 0"):
         tr.read_node_events(["0,add,a", "10,remove,z"])
+
+
+def test_spread_deals_the_lost_micro_batches_out_and_approximates_only_them():
+    grid = Grid(dp=8)
+    m = MeCeFO(grid, cover_ratio=1.2, spread=True, micro_batches=8)
+    r = m.rate(frozenset({3}))  # 8 micro-batches over 7 survivors: 2 extra each, at 0.6 of an exact one
+    assert r.speed == pytest.approx(1 / (1 + 2 / 8 * 0.6)) and r.approx == pytest.approx(1 / 8)
+    neighbour = MeCeFO(grid, cover_ratio=1.2).rate(frozenset({3}))
+    assert neighbour.speed == pytest.approx(1 / 1.2) and neighbour.approx == pytest.approx(2 / 8)
+    # one micro-batch per replica: a survivor runs a whole extra one, slower than the neighbour's rule
+    assert MeCeFO(grid, cover_ratio=1.0, spread=True, micro_batches=1).rate(frozenset({3})).speed == pytest.approx(1 / 1.5)
+
+
+@pytest.mark.parametrize("on_loss", ["give_up", "reinit"])
+def test_sharded_state_is_lost_when_a_shard_and_its_copy_fail_together(on_loss):
+    """A node of 2 GPUs holds two ring-adjacent replicas (tp = pp = 1): its failure takes a shard and
+    the copy; one GPU per node never loses one to a single failure."""
+    def policy(g):
+        return MeCeFO(Grid(dp=8), gpus_per_node=g, cover_ratio=1.1, sharded=True, reshard_s=3.0, recovery_s=2.0,
+                      on_shard_loss=on_loss, restart_s=600.0, shard_loss_lost_s=900.0)
+    one = policy(1)
+    tr_ = one.on_failure(frozenset({2}), tr.Failure(0.0, 2, 10.0))
+    assert (tr_.downtime_s, tr_.fatal, one.counters()) == (5.0, False, {"shard_losses": 0})
+    two = policy(2)
+    tr_ = two.on_failure(frozenset({1}), tr.Failure(0.0, 1, 10.0))  # replicas 2 and 3
+    assert two.counters() == {"shard_losses": 1}
+    if on_loss == "give_up":
+        assert tr_.fatal and tr_.downtime_s == 600.0 and tr_.lost_s == 900.0
+    else:
+        assert not tr_.fatal and tr_.downtime_s == 5.0
+    # adjacent replicas on two different one-GPU domains, the second failing while the first is down
+    one.on_failure(frozenset({2, 3}), tr.Failure(1.0, 3, 10.0))
+    assert one.counters() == {"shard_losses": 0}  # 2's copy was re-sharded away from 3 after the first failure
+
+
+def test_recycle_fills_bubbles_and_needs_pipelines():
+    from megatron_mecefo.sim.baselines import Reroute
+
+    grid = Grid(pp=4, dp=8)
+    # one rank of stage 1 down: 8 micro-batches over 7 peers -> 2 extra; bubble of 3 slots absorbs them
+    assert Reroute(grid, micro_batches=8, absorbed=1.0).rate(frozenset({grid.rank(0, 1, 5)})).speed == 1.0
+    half = Reroute(grid, micro_batches=8, absorbed=0.5).rate(frozenset({grid.rank(0, 1, 5)}))
+    assert half.speed == pytest.approx((8 + 3) / (8 + 2 + 1.5))
+    with pytest.raises(ValueError, match="--pp > 1"):
+        Reroute(Grid(dp=8))
+
+
+def test_the_cli_reads_a_trace_and_draws_bursts(tmp_path):
+    from megatron_mecefo.sim.__main__ import main
+    import json
+
+    csv_path = tmp_path / "t.csv"
+    tr.write_csv([tr.Failure(3600.0, 0, 7200.0), tr.Failure(5400.0, 1, 7200.0)], csv_path)
+    out = tmp_path / "r.json"
+    assert main(["--gpus", "8", "--mtbf-hours", "1", "--trace-csv", str(csv_path), "--hours", "10", "--seeds", "2",
+                 "--systems", "mecefo", "--cover-time-ratio", "1.5", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["setup"]["failures_per_run"] == 2
+    # covering from 1 h to 3.5 h at speed 1 / 1.5, less three 2 s transitions inside (two failures, a rejoin)
+    degraded = (2.5 * 3600 - 3 * 2.0) * (1 - 1 / 1.5)
+    assert r["systems"]["mecefo"]["breakdown"]["degraded"] == pytest.approx(degraded / 3600, rel=1e-6)
+    assert main(["--gpus", "8", "--mtbf-hours", "1", "--trace-csv", str(csv_path), "--gpus-per-node", "8",
+                 "--systems", "mecefo", "--cover-time-ratio", "1.5"]) == 2  # domain 1 of a 1-domain cluster
+    w = tr.weibull(domains=32, horizon_s=5000 * H, repair=tr.Repair(1.0), seed=0, shape=0.7, mtbf_hours=1.0)
+    gaps = [b.t - a.t for a, b in zip(w, w[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(H, rel=0.05)
+    assert max(gaps) > 10 * H  # bursts and long quiet spells
