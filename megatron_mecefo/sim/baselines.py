@@ -3,7 +3,8 @@
 * `DropSamples` (torchft): a failed replica group's samples are dropped until it heals; the others
   go on at full step speed; each failure discards the in-flight step of every group.
 * `Spread` (ReCoVer): the failed replicas' micro-batches are redistributed exactly over the
-  survivors: speed (D - f) / D, nothing approximate, nothing dropped.
+  survivors; a step waits for the busiest, which runs ceil(D m / (D - f)) of the m micro-batches
+  a replica normally runs (speed (D - f) / D when m is large); nothing approximate or dropped.
 * `Reconfigure` (Oobleck; Bamboo with `pipeline_stages`): every failure and every repair re-instantiates pipeline templates for
   the nodes left (`reconfig_s`, the in-flight step lost); throughput follows a table of nodes
   alive (default: proportional to them); below `min_domains` no template fits and training stops
@@ -33,8 +34,8 @@ __all__ = ["DropSamples", "Reconfigure", "Reroute", "Spread", "SparePool"]
 
 
 def _failed_replicas(grid: Grid, gpus_per_node: int, down: FrozenSet[int]) -> int:
-    dead = {r for d in down for r in range(d * gpus_per_node, (d + 1) * gpus_per_node)}
-    return grid.dp - len(grid.live_replicas(r for r in range(grid.world) if r not in dead))
+    """Replicas with a rank on a domain that is down (a replica needs all its ranks)."""
+    return len({grid.replica_of(r) for d in down for r in range(d * gpus_per_node, (d + 1) * gpus_per_node)})
 
 
 @dataclasses.dataclass
@@ -65,10 +66,13 @@ class Spread:
     gpus_per_node: int = 1
     transition_s: float = 5.0
     step_s: float = 1.0
+    micro_batches: int = 8
 
     def rate(self, down):
-        f = _failed_replicas(self.grid, self.gpus_per_node, down)
-        return Rate(speed=(self.grid.dp - f) / self.grid.dp, cause="degraded")
+        f, d, m = _failed_replicas(self.grid, self.gpus_per_node, down), self.grid.dp, self.micro_batches
+        if f == d:
+            return Rate(speed=0.0, cause="no_replica_left")
+        return Rate(speed=m / math.ceil(d * m / (d - f)), cause="degraded")
 
     def on_failure(self, down, failure):
         return Transition(downtime_s=self.transition_s, lost_s=self.step_s / 2, cause="recovery")

@@ -59,7 +59,7 @@ class Outcome:
     """Share of all trained micro-batches that went through the approximate backward."""
     fatal_events: int
     timeline: List[dict]
-    """(t, down, speed) at every event, for the plot."""
+    """(t, domains down, useful speed, approximate share) after every event, for the plot."""
     wasted_wall_s: float = 0.0
     """Wall seconds that went into work later rolled back (each loss at the speed it was made at):
     the "fallback" time of Oobleck's artifact simulator."""
@@ -124,7 +124,8 @@ def simulate(system, trace: Sequence[Failure], horizon_s: float, *, timeline: bo
             down = down - {payload}
             apply(system.on_repair(down, payload), speed_before)
         if timeline:
-            marks.append({"t": when, "down": len(down), "speed": system.rate(down).speed})
+            r = system.rate(down)
+            marks.append({"t": when, "down": len(down), "speed": r.speed * (1 - r.dropped), "approx": r.approx})
     advance(horizon_s)
     counters = system.counters() if hasattr(system, "counters") else {}
     return Outcome(horizon_s, progress, breakdown, approx_progress / progress if progress else 0.0, fatal, marks,

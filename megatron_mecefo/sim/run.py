@@ -143,7 +143,7 @@ class Setup:
 
 # name -> (setup -> (run(trace, horizon) -> Outcome, failure-free speed, share of provisioned GPUs training))
 def _engine(policy_of: Callable[[Setup], object]):
-    return lambda s: (lambda trace, horizon: simulate(policy_of(s), trace, horizon))
+    return lambda s: (lambda trace, horizon, timeline=False: simulate(policy_of(s), trace, horizon, timeline=timeline))
 
 
 def _cr(write, restart):
@@ -174,7 +174,8 @@ SYSTEMS: Dict[str, Callable[[Setup], tuple]] = {
                                                         presets.TORCHFT_OVERHEAD))(s), 1 / presets.TORCHFT_OVERHEAD, 1.0),
     "recycle": lambda s: (_engine(lambda s: Reroute(s.grid, s.gpus_per_node, s.micro_batches, presets.RECYCLE_BUBBLE_ABSORBED,
                                                     presets.RECYCLE_TRANSITION_S, s.step_s))(s), 1.0, 1.0),
-    "recover": lambda s: (_engine(lambda s: Spread(s.grid, s.gpus_per_node, presets.RECOVER_TRANSITION_S, s.step_s))(s), 1.0, 1.0),
+    "recover": lambda s: (_engine(lambda s: Spread(s.grid, s.gpus_per_node, presets.RECOVER_TRANSITION_S, s.step_s,
+                                                    s.micro_batches))(s), 1.0, 1.0),
     "oobleck": lambda s: (_engine(lambda s: Reconfigure(s.domains, presets.OOBLECK_RECONFIG_S[s.model], s.step_s,
                                                         min_domains=presets.OOBLECK_FAULT_THRESHOLD + 1))(s), 1.0, 1.0),
     "bamboo": lambda s: (_engine(lambda s: Reconfigure(s.domains, presets.BAMBOO_RECONFIG_S[s.model], s.step_s,

@@ -90,11 +90,14 @@ def test_torchft_drops_the_failed_groups_samples_and_recover_spreads_them():
     trace = tr.poisson(domains=16, horizon_s=horizon, repair=tr.Repair(2 * H), seed=4, mtbf_hours=0.5)
     mean_down, _ = tr.concurrency(trace, horizon)
     drop = simulate(DropSamples(Grid(dp=16), detect_s=0, step_s=0), trace, horizon)
-    spread = simulate(Spread(Grid(dp=16), transition_s=0, step_s=0), trace, horizon)
+    # lcm(1..16) micro-batches per replica: every deal over the survivors is even, speed (D - f) / D
+    spread = simulate(Spread(Grid(dp=16), transition_s=0, step_s=0, micro_batches=720_720), trace, horizon)
     assert drop.ettr == pytest.approx(1 - mean_down / 16, rel=1e-6)
     assert spread.ettr == pytest.approx(drop.ettr, rel=1e-6)
     assert drop.breakdown["dropped"] == pytest.approx(horizon * mean_down / 16, rel=1e-6)
     assert "dropped" not in spread.breakdown
+    # 8 micro-batches each: one replica's 8 over 15 survivors leaves some with 9; the step waits for them
+    assert Spread(Grid(dp=16), micro_batches=8).rate(frozenset({4})).speed == pytest.approx(8 / 9)
 
 
 def test_spares_wait_for_a_repair_when_the_pool_is_empty():
