@@ -109,7 +109,7 @@ def scale(args, costs):
             out[f"{lname}/{rname}"] = {
                 "failures_per_run": res["setup"]["failures_per_run"], "spares": setup.spares,
                 "systems": {k: {m: v[m] for m in ("throughput_drop", "throughput_drop_ci95", "ettr", "approx_fraction",
-                                                  "dropped_fraction", "fatal_events", "breakdown")}
+                                                  "dropped_fraction", "fatal_events", "shard_losses", "breakdown") if m in v}
                             for k, v in res["systems"].items()}}
     return out
 
@@ -156,6 +156,8 @@ def plot(result, path: Path) -> None:
     w = 0.8 / len(bars)
     for i, (label, ys, color, hatch) in enumerate(bars):
         ax.bar([j + i * w for j in x], [100 * y for y in ys], w, label=label, color=color, hatch=hatch, edgecolor="k", lw=0.3)
+        for j, y in zip(x, ys):
+            ax.annotate(f"{100 * y:.1f}", (j + i * w, 100 * y), ha="center", va="bottom", fontsize=6)
     ax.set_xticks([j + 0.4 - w / 2 for j in x], MODELS)
     ax.set_ylabel("throughput drop (%)")
     ax.set_title("paper's high scenario, 32 GPUs: model vs paper")
@@ -188,14 +190,16 @@ def plot(result, path: Path) -> None:
     ax.legend(fontsize=7)
 
     ax = axes[1][1]
+    styles = {"mecefo": "-", "recover": "-", "torchft": "--", "oobleck": ":", "bamboo": "-."}
     for name, marks in result["timeline"].items():
         ts = [0.0] + [m["t"] / tr.HOUR for m in marks]
         ys = [1.0] + [m["speed"] for m in marks]
-        ax.step(ts, ys, where="post", label=name, lw=1)
+        ax.step(ts, ys, where="post", label=name, lw=1.2, ls=styles.get(name, "-"))
     down = result["timeline"]["mecefo"]
     ax2 = ax.twinx()
-    ax2.step([0.0] + [m["t"] / tr.HOUR for m in down], [0] + [m["down"] for m in down], where="post", color="gray", lw=0.8, ls=":")
-    ax2.set_ylabel("GPUs down (dotted)")
+    ax2.fill_between([0.0] + [m["t"] / tr.HOUR for m in down], [0] + [m["down"] for m in down], step="post",
+                     color="gray", alpha=0.15, lw=0)
+    ax2.set_ylabel("GPUs down (shaded)")
     ax.set_xlabel("hours")
     ax.set_ylabel("useful throughput (1 = failure-free)")
     ax.set_title("one day of the high scenario (seed 0)")
@@ -209,7 +213,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--hours", type=float, default=720.0)
     ap.add_argument("--out", type=Path, default=RESULTS / "simulate_paper.json")
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the JSON")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        return
     measured = measured_costs()
     cc = json.loads((RESULTS / "covering_cost.json").read_text())
     costs = {"ratio_1b": measured["cover_time_ratio"], "ratio_a": cc["time_ratio_covering_vs_normal_paper"],
