@@ -83,8 +83,17 @@ def paper_table(args, costs):
             "bamboo_reconfig_s_to_match_paper": bamboo_reconfig_to_match(setup, traces[:5], presets.PAPER_BAMBOO_DROP[model]),
             "oobleck_reconfig_s_used": presets.OOBLECK_RECONFIG_S[model],
         }
+    # every system on the same traces (1B constants), both measured covering ratios
+    base = dict(gpus=32, mtbf_hours=0.5, repair_hours=2.0, hours=args.hours, model="1B", recovery_s=costs["recovery_s"])
+    everyone = [n for n in SYSTEMS if n != "recycle"]  # ReCycle needs pipelines
+    res = run_all(Setup(cover_time_ratio=ratios["measured_llama1b_layer_cpu"], **base), everyone, seeds=args.seeds)["systems"]
+    res_a = run_all(Setup(cover_time_ratio=ratios["measured_small_setup_a_cpu"], **base), ["mecefo", "mecefo_spread"],
+                    seeds=args.seeds)["systems"]
+    res.update({f"{k}@setup_a": v for k, v in res_a.items()})
+    all_1b = {k: {m: v[m] for m in ("throughput_drop", "throughput_drop_ci95", "ettr", "approx_fraction", "dropped_fraction",
+                                    "fatal_events", "breakdown")} for k, v in res.items()}
     return {"scenario": "high: 32 GPUs (1 per failure domain), a failure every 0.5 h, repair 2 h",
-            "cover_time_ratios": ratios, "models": rows}
+            "cover_time_ratios": ratios, "models": rows, "all_systems_1b": all_1b}
 
 
 SCALE_SYSTEMS = ["mecefo", "mecefo@setup_a", "mecefo_spread", "mecefo_spread@setup_a", "mecefo_sharded", "checkpoint_restart", "inmemory_checkpoint",
