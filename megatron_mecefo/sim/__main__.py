@@ -46,15 +46,59 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--step-s", type=float, default=1.0, help="a normal step's wall time")
     p.add_argument("--checkpoint-write-s", type=float, default=None)
     p.add_argument("--restart-s", type=float, default=None)
+    p.add_argument("--token-budget", type=float, default=None, help="tokens to train (with --tokens-per-s): "
+                   "adds each system's time_to_budget_hours")
+    p.add_argument("--tokens-per-s", type=float, default=None, help="the job's failure-free throughput")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="PNG: seed 0's first day, GPUs down, covering replicas "
+                   "and each system's useful throughput")
     return p.parse_args(argv)
+
+
+def plot_timeline(setup: Setup, systems, path: Path, hours: float = 24.0) -> None:
+    """Seed 0's first `hours`: domains down and replicas covering (MeCeFO), and each system's useful
+    throughput (1 = failure-free; checkpoint-restart keeps its own clock and is left out)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    horizon = min(hours, setup.hours) * 3600
+    trace = setup.trace(0)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    for name in systems:
+        run = SYSTEMS[name](setup)[0]
+        if name in ("checkpoint_restart", "inmemory_checkpoint"):
+            continue
+        marks = run(trace, horizon, timeline=True).timeline
+        ts = [0.0] + [m["t"] / 3600 for m in marks]
+        bottom.step(ts, [1.0] + [m["speed"] for m in marks], where="post", label=name, lw=1)
+        if name == "mecefo":
+            top.step(ts, [0] + [m["approx"] * setup.grid.dp / 2 for m in marks], where="post", label="replicas covering (mecefo)", ls="--", lw=1.5)
+        if name == systems[0]:
+            top.step(ts, [0] + [m["down"] for m in marks], where="post", label="failure domains down", color="k", lw=0.8)
+    top.set_ylabel("count")
+    top.legend(fontsize=8)
+    bottom.set_ylabel("useful throughput")
+    bottom.set_xlabel("hours")
+    bottom.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
 
 
 def main(argv=None) -> int:
     args = parse(argv)
     try:
+        if (args.token_budget is None) != (args.tokens_per_s is None):
+            raise ValueError("--token-budget and --tokens-per-s go together")
+        if args.tokens_per_s is not None and not (args.tokens_per_s > 0 and args.token_budget > 0):
+            raise ValueError("--token-budget and --tokens-per-s must be > 0")
+        budget = args.token_budget / args.tokens_per_s / 3600 if args.token_budget else None
         setup = Setup.from_args(args)
-        result = run_all(setup, [s.strip() for s in args.systems.split(",") if s.strip()], seeds=args.seeds)
+        systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+        result = run_all(setup, systems, seeds=args.seeds, budget_hours=budget)
+        if args.plot:
+            plot_timeline(setup, systems, args.plot)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -65,7 +109,8 @@ def main(argv=None) -> int:
     for name, r in result["systems"].items():
         print(f"{name:28s} drop {100 * r['throughput_drop']:6.2f} % (95 % CI ± {100 * r['throughput_drop_ci95']:.2f})"
               f"  ETTR {r['ettr']:.4f}  approx {100 * r['approx_fraction']:5.2f} %  dropped {100 * r['dropped_fraction']:5.2f} %"
-              f"  fatal {r['fatal_events']:.1f}")
+              f"  fatal {r['fatal_events']:.1f}"
+              + (f"  to budget {r['time_to_budget_hours']:.1f} h" if "time_to_budget_hours" in r else ""))
     return 0
 
 

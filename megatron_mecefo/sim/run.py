@@ -196,7 +196,10 @@ def _ci95(xs: List[float]) -> float:
     return 1.96 * statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
 
 
-def run_all(setup: Setup, systems: List[str], *, seeds: int) -> dict:
+def run_all(setup: Setup, systems: List[str], *, seeds: int, budget_hours: Optional[float] = None) -> dict:
+    """Every system in `systems` on the same `seeds` traces. `budget_hours`: a training budget in hours
+    of the failure-free job without fault tolerance (tokens / its tokens per second); each system's
+    `time_to_budget_hours` is the wall time to train it at the system's mean rate in these runs."""
     unknown = [n for n in systems if n not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown system(s) {unknown}; choose from {sorted(SYSTEMS)}")
@@ -222,4 +225,7 @@ def run_all(setup: Setup, systems: List[str], *, seeds: int) -> dict:
             "breakdown": {k: statistics.mean(o.breakdown.get(k, 0.0) for o in outcomes) / tr.HOUR for k in causes},
             "failure_free_speed": ff_speed, "provisioned_share": provisioned,
         }
+        if budget_hours is not None:
+            rate = statistics.mean(o.ettr for o in outcomes)
+            out["systems"][name]["time_to_budget_hours"] = budget_hours / rate if rate > 0 else math.inf
     return out

@@ -232,3 +232,18 @@ def test_the_cli_reads_a_trace_and_draws_bursts(tmp_path):
     gaps = [b.t - a.t for a, b in zip(w, w[1:])]
     assert sum(gaps) / len(gaps) == pytest.approx(H, rel=0.05)
     assert max(gaps) > 10 * H  # bursts and long quiet spells
+
+
+def test_the_cli_times_a_token_budget_and_plots(tmp_path):
+    from megatron_mecefo.sim.__main__ import main
+    import json
+
+    out, png = tmp_path / "r.json", tmp_path / "t.png"
+    assert main(["--scenario", "high", "--systems", "mecefo,torchft", "--hours", "48", "--seeds", "2",
+                 "--cover-time-ratio", "1.25", "--token-budget", "7.2e9", "--tokens-per-s", "1e6",
+                 "--out", str(out), "--plot", str(png)]) == 0
+    r = json.loads(out.read_text())["systems"]
+    for name in ("mecefo", "torchft"):  # 2 h of failure-free training at each system's own rate
+        assert r[name]["time_to_budget_hours"] == pytest.approx(2.0 / (1 - r[name]["throughput_drop"]))
+    assert png.stat().st_size > 10_000
+    assert main(["--scenario", "high", "--token-budget", "5"]) == 2
