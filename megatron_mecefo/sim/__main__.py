@@ -5,7 +5,9 @@
 
 The JSON holds, per system, `throughput_drop` (against the same system without failures; mean over
 seeds), `throughput_drop_ci95`, `ettr` (training progress per wall second of the provisioned GPUs),
-`approx_fraction`, `dropped_fraction`, `fatal_events` and `breakdown` (hours lost per cause).
+`approx_fraction`, `dropped_fraction`, `fatal_events`, `breakdown` (hours lost per cause, in hours
+of the failure-free job), `idle_spares_hours` (systems with spares) and, with --token-budget,
+`time_to_budget_hours` (at the system's mean rate over the runs).
 """
 
 from __future__ import annotations

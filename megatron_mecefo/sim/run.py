@@ -223,6 +223,8 @@ def run_all(setup: Setup, systems: List[str], *, seeds: int, budget_hours: Optio
             "fatal_events": statistics.mean(o.fatal_events for o in outcomes),
             **{k: statistics.mean(o.counters.get(k, 0) for o in outcomes) for k in sorted({k for o in outcomes for k in o.counters})},
             "breakdown": {k: statistics.mean(o.breakdown.get(k, 0.0) for o in outcomes) / tr.HOUR for k in causes},
+            # spares held idle, in hours of the provisioned cluster
+            **({"idle_spares_hours": setup.hours * (1 - provisioned)} if provisioned < 1 else {}),
             "failure_free_speed": ff_speed, "provisioned_share": provisioned,
         }
         if budget_hours is not None:
