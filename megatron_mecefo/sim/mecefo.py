@@ -2,9 +2,12 @@
 
 A failed domain (a GPU, or a node of g GPUs: ranks in Megatron's order) retires every replica it
 holds a rank of; each retired replica is adopted by the next live, non-covering replica on the
-ring (`ring_cover`, the runtime's own function). While any replica covers, every step waits for
-the covering ranks: speed = 1 / cover_ratio. The paper's rule sends the covered and the covering
-replicas' micro-batches through the approximate backward (2 f of D replicas' data).
+ring (`ring_cover`, the runtime's own function), and the runtime's fold (`fold_neighbor`) says
+which micro-batches each live replica runs and which go through the approximate backward. A
+covering micro-batch costs `cover_ratio / 2` of an exact one (the paper's rule runs two micro-batch
+loads approximately for `cover_ratio`); every step waits for the busiest replica, so with the
+paper's rule speed = 1 / cover_ratio and 2 f of D replicas' data is approximate; with
+`approximate="adopted"` the covering replica runs its own exact: 1 / (1 + cover_ratio / 2).
 
 A failure costs the detection and regroup (measured: `recovery_s`) plus the in-flight step, redone
 by the survivors; a repair costs the rejoin (state transfer and regroup). When no neighbour is left
@@ -28,14 +31,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from typing import FrozenSet
 
+from megatron_mecefo.elastic.fold import fold_neighbor
 from megatron_mecefo.elastic.topology import Grid, ring_cover
 from megatron_mecefo.errors import NoCoverAvailable
 from megatron_mecefo.sim.engine import Rate, Transition
 from megatron_mecefo.sim.trace import Failure
 
 __all__ = ["MeCeFO"]
+
+_COVERS = {}
+"""(replicas, replicas down) -> (live, cover map or None): shared by every policy instance, so the
+variants compared on one trace plan each state once."""
 
 
 @dataclasses.dataclass
@@ -52,6 +61,8 @@ class MeCeFO:
     """A repaired domain's rejoin: state transfer and regroup."""
     restart_s: float = 600.0
     """Give-up to training again (a new job on the replicas left, reading the checkpoint)."""
+    approximate: str = "all"
+    """The runtime's `approximate` option: "all" (the paper) or "adopted" (own micro-batches exact)."""
     spread: bool = False
     micro_batches: int = 8
     """Micro-batches per replica and step (the spread's granularity)."""
@@ -65,6 +76,8 @@ class MeCeFO:
             raise ValueError(f"cover_ratio must be > 0, got {self.cover_ratio}")
         if self.on_shard_loss not in ("give_up", "reinit"):
             raise ValueError(f'on_shard_loss must be "give_up" or "reinit", got {self.on_shard_loss!r}')
+        if self.approximate not in ("all", "adopted"):
+            raise ValueError(f'approximate must be "all" or "adopted", got {self.approximate!r}')
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         self._fallback = False  # gave up: the replicas left run without covering until all are back
@@ -74,27 +87,56 @@ class MeCeFO:
         # the ring plans replicas; a grid of replicas gives the same plan at a fraction of the cost
         self._ring = Grid(dp=self.grid.dp)
         self._plans = {}
+        self._rates = {}
         self.shard_losses = 0
 
     def counters(self):
         return {"shard_losses": self.shard_losses} if self.sharded else {}
 
     def _plan(self, down: FrozenSet[int]):
-        """(live replicas, the ring's cover map or None when no cover exists), memoized: a state
-        recurs often (one or two domains down) and planning is the simulation's main cost."""
+        """(live replicas, the ring's cover map or None when no cover exists, the fold's Rate),
+        memoized: a state recurs often (one or two domains down) and planning is the main cost."""
         key = frozenset().union(*(self._replicas[d] for d in down)) if down else frozenset()
         plan = self._plans.get(key)
         if plan is None:
-            live = tuple(r for r in range(self.grid.dp) if r not in key)
+            live, cover = self._cover(key)
+            plan = self._plans[key] = (live, cover, None if cover is None else self._fold_rate(cover))
+        return plan
+
+    def _cover(self, retired: FrozenSet[int]):
+        shared = _COVERS.get((self.grid.dp, retired))
+        if shared is None:
+            if len(_COVERS) > 500_000:
+                _COVERS.clear()
+            live = tuple(r for r in range(self.grid.dp) if r not in retired)
             try:
                 cover = ring_cover(self._ring, live)
             except NoCoverAvailable:
                 cover = None
-            plan = self._plans[key] = (live, cover)
-        return plan
+            shared = _COVERS[(self.grid.dp, retired)] = (live, cover)
+        return shared
+
+    def _fold_rate(self, cover) -> Rate:
+        if not cover.degraded:
+            return Rate(speed=1.0)
+        # the rate depends only on how many replicas adopt how many: fold once per such shape
+        shape = (len(cover.live), tuple(sorted(Counter(cover.cover.values()).values())))
+        if shape not in self._rates:
+            self._rates[shape] = self._fold(cover)
+        return self._rates[shape]
+
+    def _fold(self, cover) -> Rate:
+        k = self.micro_batches
+        fold = fold_neighbor(cover, k, approximate=self.approximate)
+        busiest = max(sum(self.cover_ratio / 2 if m.covering else 1.0 for m in mbs) / k
+                      for mbs in fold.assignments.values())
+        covering = sum(m.covering for mbs in fold.assignments.values() for m in mbs)
+        # a covering rank faster than a normal one (measured below 1 at LLaMA-1B size on CPU) still
+        # waits for the others at the reduction
+        return Rate(speed=1.0 / max(1.0, busiest), approx=covering / fold.divisor)
 
     def rate(self, down: FrozenSet[int]) -> Rate:
-        live, cover = self._plan(down)
+        live, cover, rate = self._plan(down)
         if self._fallback:
             return Rate(speed=len(live) / self.grid.dp, cause="fewer_replicas")
         if not cover.degraded:
@@ -103,14 +145,12 @@ class MeCeFO:
             f, m = self.grid.dp - len(live), self.micro_batches
             extra = math.ceil(f * m / len(live))
             return Rate(speed=1.0 / (1 + extra / m * self.cover_ratio / 2), approx=f / self.grid.dp)
-        # a covering rank faster than a normal one (measured below 1 at LLaMA-1B size on CPU) still
-        # waits for the others at the reduction
-        return Rate(speed=1.0 / max(1.0, self.cover_ratio), approx=2 * len(cover.cover) / self.grid.dp)
+        return rate
 
     def on_failure(self, down: FrozenSet[int], failure: Failure) -> Transition:
         if self._fallback:
             return Transition()  # a replica fewer; the next restart is a repair's
-        live, cover = self._plan(down)
+        live, cover, _ = self._plan(down)
         before = self._plan(down - {failure.domain})[0]
         if live == before:
             return Transition()  # its replica was retired already: an idle rank

@@ -165,6 +165,7 @@ def _mecefo(**what_if):
 
 SYSTEMS: Dict[str, Callable[[Setup], tuple]] = {
     "mecefo": _mecefo(),
+    "mecefo_adopted": _mecefo(approximate="adopted"),
     "mecefo_spread": _mecefo(spread=True),
     "mecefo_sharded": _mecefo(sharded=True, on_shard_loss="give_up"),
     "mecefo_sharded_reinit": _mecefo(sharded=True, on_shard_loss="reinit"),

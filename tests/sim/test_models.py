@@ -247,3 +247,16 @@ def test_the_cli_times_a_token_budget_and_plots(tmp_path):
         assert r[name]["time_to_budget_hours"] == pytest.approx(2.0 / (1 - r[name]["throughput_drop"]))
     assert png.stat().st_size > 10_000
     assert main(["--scenario", "high", "--token-budget", "5"]) == 2
+
+
+def test_mecefo_rates_come_from_the_runtimes_fold():
+    """Two replicas of 8 down: the ring gives two covering replicas; the paper's rule waits for a
+    covering step of cover_ratio and approximates 4 of 8 replicas' data; "adopted" keeps the
+    covering replicas' own micro-batches exact (1 + c / 2) and approximates 2 of 8."""
+    grid = Grid(dp=8)
+    paper = MeCeFO(grid, cover_ratio=1.2, micro_batches=4).rate(frozenset({2, 5}))
+    assert paper.speed == pytest.approx(1 / 1.2) and paper.approx == pytest.approx(4 / 8)
+    adopted = MeCeFO(grid, cover_ratio=1.2, micro_batches=4, approximate="adopted").rate(frozenset({2, 5}))
+    assert adopted.speed == pytest.approx(1 / 1.6) and adopted.approx == pytest.approx(2 / 8)
+    with pytest.raises(ValueError, match="approximate"):
+        MeCeFO(grid, approximate="none")
