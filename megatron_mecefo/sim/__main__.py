@@ -108,6 +108,9 @@ def main(argv=None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
+    if any(n.startswith("mecefo") for n in result["systems"]):
+        print(f"MeCeFO's covering step: {setup.cover_time_ratio:.3f} x a normal one ({setup.cover_time_ratio_source}); "
+              "measure yours with benchmarks/covering_cost.py and pass --cover-time-ratio")
     for name, r in result["systems"].items():
         print(f"{name:28s} drop {100 * r['throughput_drop']:6.2f} % (95 % CI ± {100 * r['throughput_drop_ci95']:.2f})"
               f"  ETTR {r['ettr']:.4f}  approx {100 * r['approx_fraction']:5.2f} %  dropped {100 * r['dropped_fraction']:5.2f} %"

@@ -71,6 +71,7 @@ class Setup:
     lemons: int = 0
     lemon_factor: float = 10.0
     trace_csv: Optional[str] = None
+    cover_time_ratio_source: str = "given"
 
     def __post_init__(self) -> None:
         if self.gpus % self.gpus_per_node:
@@ -98,6 +99,8 @@ class Setup:
             if "cover_time_ratio" not in measured:
                 raise ValueError("no measured covering cost found (benchmarks/results/covering_cost.json): pass --cover-time-ratio")
             self.cover_time_ratio, self.recovery_s = measured["cover_time_ratio"], measured["recovery_s"]
+            self.cover_time_ratio_source = ("measured: benchmarks/results/covering_cost.json, the paper's rule at "
+                                            "LLaMA-1B layer size, CPU fp32 (the paper's drops imply 1.01-1.04)")
 
     @classmethod
     def from_args(cls, args) -> "Setup":
