@@ -21,6 +21,16 @@ META_RSC1_PER_1000_NODE_DAYS = 6.50  # Meta, "Revisiting Reliability" (arXiv 241
 META_RSC2_PER_1000_NODE_DAYS = 2.34  # the same, RSC-2 [paper*]
 LLAMA3_INTERRUPTIONS = (419, 54 * 24.0, 16_384)  # unexpected interruptions, hours, GPUs (arXiv 2407.21783) [paper*]
 LLAMA3_PER_1000_NODE_DAYS = 1000 * 419 / (54 * 16_384 / 8)  # 3.79 per 8-GPU node [inferred]
+CLUSTER_REPAIR_HOURS = 4.0  # a failed node back in the pool: the paper's low scenario's 4 h [inferred]
+# cluster-scale presets: 8-GPU nodes (the failure domain), the GPU count of the source
+SCENARIOS.update({
+    "llama3": {"gpus": 16_384, "gpus_per_node": 8, "failures_per_1000_node_days": LLAMA3_PER_1000_NODE_DAYS,
+               "repair_hours": CLUSTER_REPAIR_HOURS},
+    "meta-rsc1": {"gpus": 16_384, "gpus_per_node": 8, "failures_per_1000_node_days": META_RSC1_PER_1000_NODE_DAYS,
+                  "repair_hours": CLUSTER_REPAIR_HOURS},
+    "meta-rsc2": {"gpus": 8_192, "gpus_per_node": 8, "failures_per_1000_node_days": META_RSC2_PER_1000_NODE_DAYS,
+                  "repair_hours": CLUSTER_REPAIR_HOURS},
+})
 
 # -- checkpoint-restart ----------------------------------------------------------------------------
 CKPT_WRITE_S = 300.0  # blocking save; Meta's E[ETTR] model assumes 5 min [paper*]

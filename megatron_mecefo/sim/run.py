@@ -106,16 +106,19 @@ class Setup:
     def from_args(cls, args) -> "Setup":
         preset = presets.SCENARIOS[args.scenario] if args.scenario else {}
         kw = dict(gpus=args.gpus or preset.get("gpus"),
-                  mtbf_hours=args.mtbf_hours if args.mtbf_hours is not None else preset.get("mtbf_hours"),
+                  gpus_per_node=args.gpus_per_node or preset.get("gpus_per_node", 1),
                   repair_hours=args.repair_hours if args.repair_hours is not None else preset.get("repair_hours", 2.0))
         if kw["gpus"] is None:
             raise ValueError("give --gpus or --scenario")
-        if args.failures_per_1000_node_days is not None:  # the rate replaces a scenario's MTBF
-            kw["mtbf_hours"] = args.mtbf_hours
+        # a rate given on the command line replaces the scenario's
+        if args.mtbf_hours is not None or args.failures_per_1000_node_days is not None:
+            kw.update(mtbf_hours=args.mtbf_hours, failures_per_1000_node_days=args.failures_per_1000_node_days)
+        else:
+            kw.update(mtbf_hours=preset.get("mtbf_hours"),
+                      failures_per_1000_node_days=preset.get("failures_per_1000_node_days"))
         optional = {"checkpoint_write_s": args.checkpoint_write_s, "restart_s": args.restart_s}
         kind = "csv" if args.trace_csv else "weibull" if args.weibull_shape else "lemon" if args.lemons else "poisson"
-        return cls(**kw, gpus_per_node=args.gpus_per_node, tp=args.tp, pp=args.pp,
-                   failures_per_1000_node_days=args.failures_per_1000_node_days, repair=args.repair, hours=args.hours,
+        return cls(**kw, tp=args.tp, pp=args.pp, repair=args.repair, hours=args.hours,
                    spares=args.spares, cover_time_ratio=args.cover_time_ratio, step_s=args.step_s, model=args.model,
                    micro_batches=args.micro_batches, trace_kind=kind, weibull_shape=args.weibull_shape or 0.7,
                    lemons=args.lemons, lemon_factor=args.lemon_factor,

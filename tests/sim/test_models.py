@@ -308,3 +308,21 @@ def test_the_fluid_model_agrees_with_a_step_by_step_walk():
         fluid = simulate(make(), trace, horizon).ettr
         walked = _step_level(make(), trace, horizon, step_s)
         assert fluid == pytest.approx(walked, abs=0.002), (make().__class__.__name__, fluid, walked)
+
+
+def test_cluster_scenarios_and_flags_that_override_them(tmp_path):
+    from megatron_mecefo.sim.__main__ import main, parse
+    from megatron_mecefo.sim.run import Setup
+    import json
+
+    out = tmp_path / "r.json"
+    assert main(["--scenario", "llama3", "--tp", "8", "--pp", "16", "--systems", "torchft", "--seeds", "4",
+                 "--cover-time-ratio", "1.1", "--out", str(out)]) == 0
+    setup = json.loads(out.read_text())["setup"]
+    assert (setup["gpus"], setup["gpus_per_node"], setup["repair_hours"]) == (16_384, 8, 4.0)
+    # Llama 3: 419 unexpected interruptions in 54 days on 16,384 GPUs -> about 233 in 30 days
+    assert setup["failures_per_run"] == pytest.approx(419 * 30 / 54, rel=0.1)
+    s = Setup.from_args(parse(["--scenario", "high", "--failures-per-1000-node-days", "100", "--cover-time-ratio", "1"]))
+    assert (s.gpus, s.mtbf_hours, s.repair_hours) == (32, None, 2.0)
+    assert 1 / s.rate / 3600 == pytest.approx(24 * 1000 / (100 * 32))
+    assert main(["--scenario", "high", "--mtbf-hours", "1", "--failures-per-1000-node-days", "5"]) == 2
