@@ -10,7 +10,8 @@
 2. `scale`: 1,024 and 16,384 GPUs (8 per node, TP 8 in a node; PP 1 and PP 16 x DP 128 as Llama 3
    405B), failures at Llama 3's and Meta RSC-1's rates, repair 4 h: every system, including MeCeFO's
    neighbour rule against spreading the lost micro-batches (a what-if) and the sharded optimizer,
-   MeCeFO at both measured covering ratios (`@setup_a`: the small setup's 1.21x).
+   MeCeFO at both measured covering ratios (`@setup_a`: the small setup's 1.21x), and the covering
+   ratio below which MeCeFO beats each other system (`break_even_cover_ratio`).
 3. `no_neighbour`: 32 replicas at rising failure rates: where the ring runs out of neighbours and
    MeCeFO falls back to a checkpoint restart.
 
@@ -93,7 +94,8 @@ def paper_table(args, costs):
     all_1b = {k: {m: v[m] for m in ("throughput_drop", "throughput_drop_ci95", "ettr", "approx_fraction", "dropped_fraction",
                                     "fatal_events", "breakdown")} for k, v in res.items()}
     return {"scenario": "high: 32 GPUs (1 per failure domain), a failure every 0.5 h, repair 2 h",
-            "cover_time_ratios": ratios, "models": rows, "all_systems_1b": all_1b}
+            "cover_time_ratios": ratios, "models": rows, "all_systems_1b": all_1b,
+            "break_even_cover_ratio_1b": break_even(res, ratios["measured_small_setup_a_cpu"])}
 
 
 SCALE_SYSTEMS = ["mecefo", "mecefo@setup_a", "mecefo_spread", "mecefo_spread@setup_a", "mecefo_sharded", "checkpoint_restart", "inmemory_checkpoint",
@@ -117,9 +119,25 @@ def scale(args, costs):
             res["systems"].update({f"{k}@setup_a": v for k, v in res_a["systems"].items()})
             out[f"{lname}/{rname}"] = {
                 "failures_per_run": res["setup"]["failures_per_run"], "spares": setup.spares,
+                "break_even_cover_ratio": break_even(res["systems"], costs["ratio_a"]),
                 "systems": {k: {m: v[m] for m in ("throughput_drop", "throughput_drop_ci95", "ettr", "approx_fraction",
                                                   "dropped_fraction", "fatal_events", "shard_losses", "breakdown") if m in v}
                             for k, v in res["systems"].items()}}
+    return out
+
+
+def break_even(systems, ratio_a):
+    """The covering ratio below which MeCeFO's drop stays under each other system's. MeCeFO's drop is
+    its events (the run at c = 1) plus the degraded share of the time x (1 - 1/c); that share comes
+    from the run at `ratio_a`. None: not even a free covering step beats it."""
+    events = systems["mecefo"]["throughput_drop"]
+    degraded = (systems["mecefo@setup_a"]["throughput_drop"] - events) / (1 - 1 / ratio_a)
+    out = {}
+    for name, r in systems.items():
+        if name.startswith("mecefo"):
+            continue
+        margin = (r["throughput_drop"] - events) / degraded
+        out[name] = 1 / (1 - margin) if 0 < margin < 1 else (None if margin <= 0 else float("inf"))
     return out
 
 
@@ -254,6 +272,7 @@ def main() -> None:
               f"reconfig to match {r['bamboo_reconfig_s_to_match_paper']})")
     for k, v in result["scale"].items():
         print(k, {s: round(100 * x["throughput_drop"], 2) for s, x in v["systems"].items()})
+        print("   break-even c:", {s: (round(c, 4) if c else c) for s, c in v["break_even_cover_ratio"].items()})
     for r in result["no_neighbour"]["rows"]:
         print(r)
 
