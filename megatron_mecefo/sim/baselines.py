@@ -30,7 +30,13 @@ from megatron_mecefo.elastic.topology import Grid
 from megatron_mecefo.sim.engine import Rate, Transition
 from megatron_mecefo.sim.trace import Failure
 
-__all__ = ["DropSamples", "Reconfigure", "Reroute", "Spread", "SparePool"]
+__all__ = ["DropSamples", "Reconfigure", "Reroute", "Spread", "SparePool", "extra_micro_batches"]
+
+
+def extra_micro_batches(failed: int, replicas: int, per_replica: int) -> int:
+    """Micro-batches the busiest survivor runs on top of its own when the `failed` replicas' are
+    dealt out evenly over the others (a micro-batch is not split)."""
+    return math.ceil(failed * per_replica / (replicas - failed))
 
 
 def _failed_replicas(grid: Grid, gpus_per_node: int, down: FrozenSet[int]) -> int:
@@ -72,7 +78,7 @@ class Spread:
         f, d, m = _failed_replicas(self.grid, self.gpus_per_node, down), self.grid.dp, self.micro_batches
         if f == d:
             return Rate(speed=0.0, cause="no_replica_left")
-        return Rate(speed=m / math.ceil(d * m / (d - f)), cause="degraded")
+        return Rate(speed=m / (m + extra_micro_batches(f, d, m)), cause="degraded")
 
     def on_failure(self, down, failure):
         return Transition(downtime_s=self.transition_s, lost_s=self.step_s / 2, cause="recovery")
@@ -102,7 +108,7 @@ class Reroute:
             f = len({grid.replica_of(r) for r in dead if grid.position(r)[1] == stage})
             if f == grid.dp:
                 return Rate(speed=0.0, cause="no_replica_left")
-            e = math.ceil(f * m / (grid.dp - f))
+            e = extra_micro_batches(f, grid.dp, m)
             worst = max(worst, (m + e + (p - 1) * (1 - self.absorbed)) / (m + p - 1))
         return Rate(speed=1.0 / worst)
 

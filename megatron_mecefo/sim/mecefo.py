@@ -30,13 +30,13 @@ Two what-ifs beside the runtime's rule:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 from typing import FrozenSet
 
 from megatron_mecefo.elastic.fold import fold_neighbor
 from megatron_mecefo.elastic.topology import Grid, ring_cover
 from megatron_mecefo.errors import NoCoverAvailable
+from megatron_mecefo.sim.baselines import extra_micro_batches
 from megatron_mecefo.sim.engine import Rate, Transition
 from megatron_mecefo.sim.trace import Failure
 
@@ -139,11 +139,9 @@ class MeCeFO:
         live, cover, rate = self._plan(down)
         if self._fallback:
             return Rate(speed=len(live) / self.grid.dp, cause="fewer_replicas")
-        if not cover.degraded:
-            return Rate(speed=1.0)
-        if self.spread:
+        if self.spread and cover.degraded:
             f, m = self.grid.dp - len(live), self.micro_batches
-            extra = math.ceil(f * m / len(live))
+            extra = extra_micro_batches(f, self.grid.dp, m)
             return Rate(speed=1.0 / (1 + extra / m * self.cover_ratio / 2), approx=f / self.grid.dp)
         return rate
 

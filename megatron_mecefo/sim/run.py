@@ -117,7 +117,10 @@ class Setup:
             kw.update(mtbf_hours=preset.get("mtbf_hours"),
                       failures_per_1000_node_days=preset.get("failures_per_1000_node_days"))
         optional = {"checkpoint_write_s": args.checkpoint_write_s, "restart_s": args.restart_s}
-        kind = "csv" if args.trace_csv else "weibull" if args.weibull_shape else "lemon" if args.lemons else "poisson"
+        kinds = [k for k, given in (("csv", args.trace_csv), ("weibull", args.weibull_shape), ("lemon", args.lemons)) if given]
+        if len(kinds) > 1:
+            raise ValueError(f"--trace-csv, --weibull-shape and --lemons are different traces: give one, got {kinds}")
+        kind = kinds[0] if kinds else "poisson"
         return cls(**kw, tp=args.tp, pp=args.pp, repair=args.repair, hours=args.hours,
                    spares=args.spares, cover_time_ratio=args.cover_time_ratio, step_s=args.step_s, model=args.model,
                    micro_batches=args.micro_batches, trace_kind=kind, weibull_shape=args.weibull_shape or 0.7,

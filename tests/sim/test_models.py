@@ -326,3 +326,4 @@ def test_cluster_scenarios_and_flags_that_override_them(tmp_path):
     assert (s.gpus, s.mtbf_hours, s.repair_hours) == (32, None, 2.0)
     assert 1 / s.rate / 3600 == pytest.approx(24 * 1000 / (100 * 32))
     assert main(["--scenario", "high", "--mtbf-hours", "1", "--failures-per-1000-node-days", "5"]) == 2
+    assert main(["--scenario", "high", "--weibull-shape", "0.7", "--lemons", "2", "--cover-time-ratio", "1"]) == 2
