@@ -137,8 +137,9 @@ def torchrun(checkout: Path, nproc: int, script_args: List[str], timeout: float 
 
 def mecefo_launch(checkout: Path, nproc: int, script_args: List[str], *, restart_after: Optional[float] = None,
                   timeout: float = 240, env_of: Callable = None):
-    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port())]
+    # port 0: the launcher binds the store's port itself; a port probed here and bound later can be
+    # taken in between (a parallel test's gloo pair picked it once)
+    cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(nproc), "--master-port", "0"]
     if restart_after is not None:
         cmd += ["--restart-failed-after", str(restart_after)]
     return run_launcher(cmd + ["pretrain_gpt.py", *script_args], timeout, cwd=checkout, env=(env_of or env)(),
