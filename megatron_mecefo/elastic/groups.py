@@ -94,15 +94,15 @@ def wait_(work, should_abort: Optional[Callable[[], bool]] = None, poll_s: float
     while not work.is_completed():
         if time.monotonic() >= next_check:
             if should_abort():
-                raise PeerAborted("a peer declared this step failed")
+                raise PeerAborted("a peer declared this step (or generation) failed")
             next_check = time.monotonic() + poll_s
         time.sleep(0.001)
     work.wait()  # raises the collective's own error, if any
 
 
-def broadcast_(group, tensor: torch.Tensor, root: int) -> None:
-    """In-place broadcast from dense rank `root` over `group`."""
+def broadcast_(group, tensor: torch.Tensor, root: int, should_abort: Optional[Callable[[], bool]] = None) -> None:
+    """In-place broadcast from dense rank `root` over `group` (`should_abort`: see wait_)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     opts.rootTensor = 0
-    group.broadcast([tensor], opts).wait()
+    wait_(group.broadcast([tensor], opts), should_abort)

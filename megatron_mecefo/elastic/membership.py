@@ -10,8 +10,9 @@ generation never mislead a later one:
 * agreement   `gen{g}/in/{rank}`, `gen{g}/plan`: survivors check in with the step whose state they
   hold (-1: none, a restarted rank); once every candidate has checked in or is presumed failed, the
   lowest live checked-in rank publishes the plan (members, joiners = members without the newest
-  state, step) with compare-and-set; everyone adopts the first published plan. A failure during
-  agreement only delays it; the next generation starts over. A plan with no state holder is never
+  state, step) with compare-and-set; everyone adopts the first published plan. A restarted rank
+  asking to join is not waited for (it comes in at a step boundary); the publisher logs why each
+  candidate was left out. A failure during agreement only delays it; the next generation starts over. A plan with no state holder is never
   published: "lost" ends the job instead.
 * commit      `gen{g}/step{s}/vote/{rank}`, `.../oks`, `.../decision`: each member votes ok/abort
   after its gradient reduction (an ok vote also counts up `oks`; an abort vote decides abort at
@@ -248,7 +249,7 @@ class Membership:
                 )
             checked = {r: int(self.store.get(f"{prefix}/in/{r}")) for r in candidates
                        if self.store.check([f"{prefix}/in/{r}"])}
-            live = set(self.alive(candidates))
+            live = set(self.alive(candidates)) - self._asking_to_join(r for r in candidates if r not in checked)
             pending = [r for r in candidates if r in live and r not in checked]
             voters = [r for r in sorted(checked) if r in live]
             # past the deadline, go on without ranks that never checked in (they may rejoin later)
@@ -258,7 +259,8 @@ class Membership:
                 if steps:
                     newest = max(steps)
                     plan = {"members": whole, "joiners": [r for r in whole if checked[r] != newest], "step": newest}
-                    self.store.compare_set(plan_key, "", json.dumps(plan))
+                    if self.store.compare_set(plan_key, "", json.dumps(plan)).decode() == json.dumps(plan):
+                        self._explain(generation, candidates, whole, checked, live)
                 elif any(checked[r] >= 0 for r in voters):  # the state lives on in broken replicas only
                     self.store.compare_set(plan_key, "", json.dumps({"members": [], "joiners": [], "step": -1,
                                                                     "voters": voters}))
@@ -283,6 +285,33 @@ class Membership:
                 f"members {plan['members']}); this rank must stop"
             )
         return Agreement(tuple(plan["members"]), tuple(plan["joiners"]), int(plan["step"]))
+
+    def _asking_to_join(self, ranks: Iterable[int]) -> set:
+        """Restarted incarnations waiting to be named for a generation (`request_join`): they come in
+        at a step boundary, never to this agreement, so waiting for them would only run out the
+        deadline."""
+        out = set()
+        for r in ranks:
+            if r != self.rank and self.store.check([f"join/{r}"]) and self.store.get(f"join/{r}") == b"waiting" \
+                    and self.store.check([f"joinee/{r}"]) and not self.store.get(f"joinee/{r}"):
+                out.add(r)
+        return out
+
+    def _explain(self, generation: int, candidates, members, checked, live) -> None:
+        """Say on the publishing rank why each candidate left out of `generation` was left out: a
+        healthy rank presumed failed (late, say, under load) is then told apart from a dead one."""
+        for r in sorted(set(candidates) - set(members)):
+            if r in self._asking_to_join([r]):
+                why = "restarted; it rejoins at a step boundary"
+            elif r not in live:
+                last = self._seen.get(r)
+                why = ("its process exited" if self.store.check([f"exited/{r}"]) else
+                       f"no heartbeat for {time.monotonic() - last[1]:.1f} s" if last else "no heartbeat")
+            elif r not in checked:
+                why = f"alive but not checked in within {self.agree_timeout:.0f} s (mecefo.agree_timeout_s)"
+            else:
+                why = "a rank of its replica is lost (replicas retire whole)"
+            logger.warning("[gen %d rank %d] rank %d left out: %s", generation, self.rank, r, why)
 
     def members_of(self, generation: int) -> List[int]:
         """The agreed members of an earlier generation."""
@@ -372,6 +401,13 @@ class Membership:
         waiting (a rank leaving a generation that did not form for it)."""
         self.store.compare_set(f"gen{generation}/formed", "", "no")
         self.store.compare_set(f"gen{generation}/step{step}/decision", "", json.dumps({"commit": False}))
+
+    def not_formed(self, generation: int) -> bool:
+        """Whether a member already decided that `generation` will not form (or the job ended)."""
+        if self.store.check(["job/failed"]) or self.store.check(["job/finished"]):
+            return True
+        key = f"gen{generation}/formed"
+        return self.store.check([key]) and self.store.get(key).decode() == "no"
 
     def formed(self, generation: int, members: Sequence[int]) -> bool:
         """Report that this member's data-parallel group of `generation` is built (and its joiners

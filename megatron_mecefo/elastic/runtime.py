@@ -572,6 +572,9 @@ class ElasticRuntime:
                 raise err from None
             group, payload = None, None
             peers = self._peers(agreed.members)
+            # a member that saw this generation fail says so (abort_step): the others stop waiting on
+            # it at once, not after the collective timeout, and check in for the next one in time
+            failed = lambda g=generation: self.membership.not_formed(g)  # noqa: E731
             try:
                 group = groups.build_dp_group(self.store, generation, peers, self.rank, self._timeout, self.backend,
                                               tag=self._tag())
@@ -579,9 +582,10 @@ class ElasticRuntime:
                     sharded = self.sharding.regroup(group, peers, [self.grid.replica_of(r) for r in peers],
                                                     [r for r in peers if r not in agreed.joiners], self.rank,
                                                     replicas_total=self.grid.dp,
-                                                    midway=lambda: self.injector.maybe_fire(agreed.step, "reshard"))
+                                                    midway=lambda: self.injector.maybe_fire(agreed.step, "reshard"),
+                                                    should_abort=failed)
                 if agreed.joiners:
-                    payload = self._transfer_state(group, agreed, peers)
+                    payload = self._transfer_state(group, agreed, peers, failed)
                 if not self.membership.formed(generation, agreed.members):
                     raise MeCeFOError("another member's group or state transfer failed")
             except (GaveUp, JobFinished):  # JobAborted, or a shard of the optimizer state lost
@@ -650,12 +654,14 @@ class ElasticRuntime:
         c = self.cfg
         return c.enable and (c.skip_attention or c.lowrank_ffn or c.recompute_ffn == "always")
 
-    def _transfer_state(self, group, agreed: Agreement, peers: Sequence[int]) -> Optional[bytes]:
+    def _transfer_state(self, group, agreed: Agreement, peers: Sequence[int],
+                        should_abort: Callable[[], bool]) -> Optional[bytes]:
         """The lowest state holder at this position broadcasts its training state (its shard) over
         the position's group; returns the bytes on joiners."""
         donor = min(r for r in agreed.holders if r in peers)
         payload = broadcast_state(group, peers, self.rank, donor, self._get_state or (lambda: None), step=self.step,
-                                  midway=lambda: self.injector.maybe_fire(agreed.step, "transfer"))
+                                  midway=lambda: self.injector.maybe_fire(agreed.step, "transfer"),
+                                  should_abort=should_abort)
         return payload if self.rank in agreed.joiners else None
 
     def _load_state(self, payload: bytes, step: int) -> None:

@@ -17,11 +17,13 @@ __all__ = ["broadcast_state", "decode_state"]
 
 
 def broadcast_state(group, peers: Sequence[int], rank: int, donor: int, state: Callable[[], Any], *,
-                    step: int, midway: Callable[[], None] = lambda: None) -> bytes:
+                    step: int, midway: Callable[[], None] = lambda: None,
+                    should_abort: Optional[Callable[[], bool]] = None) -> bytes:
     """Broadcast the donor's `{"step", "user": state()}` to `peers` (global ranks, in the group's
     order). Every peer calls it; returns the payload's bytes on every rank.
 
-    `midway` runs between the size and the payload (an injection point: a death mid-transfer)."""
+    `midway` runs between the size and the payload (an injection point: a death mid-transfer);
+    `should_abort` is polled while waiting (groups.wait_)."""
     root = groups.dense_rank(peers, donor)
     if rank == donor:
         buf = io.BytesIO()
@@ -30,11 +32,11 @@ def broadcast_state(group, peers: Sequence[int], rank: int, donor: int, state: C
         size = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)
-    groups.broadcast_(group, size, root)
+    groups.broadcast_(group, size, root, should_abort)
     midway()
     if rank != donor:
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    groups.broadcast_(group, payload, root)
+    groups.broadcast_(group, payload, root, should_abort)
     return payload.numpy().tobytes()
 
 

@@ -33,6 +33,7 @@ import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron_mecefo.elastic.shards import Reshard, ShardLayout, reshard
 from megatron_mecefo.errors import GaveUp
@@ -368,7 +369,8 @@ class ShardedOptimizer:
     # -- a new generation ----------------------------------------------------------------------------
 
     def regroup(self, group, peers: Sequence[int], replicas: Sequence[int], holders: Sequence[int], rank: int,
-                replicas_total: int, midway: Callable[[], None] = lambda: None):
+                replicas_total: int, midway: Callable[[], None] = lambda: None,
+                should_abort: Optional[Callable[[], bool]] = None):
         """Re-shard over the generation whose data-parallel group at this position is `group`.
 
         Call on every peer (in the group's order: `peers` global ranks, `replicas` their replica
@@ -376,7 +378,8 @@ class ShardedOptimizer:
         state (joiners do not); `midway` runs once the layout is shared, before anything moves (an
         injection point). The new held ranges are built aside; `install` makes them current once
         the whole generation formed. The parameters are re-sent in place: the holders' values,
-        which every survivor takes in any generation that forms.
+        which every survivor takes in any generation that forms. `should_abort` is polled while
+        waiting (groups.wait_): a peer that saw the generation fail ends the wait at once.
 
         Raises:
             ShardLost: a range of the state has no surviving holder (on_loss "give_up").
@@ -384,7 +387,7 @@ class ShardedOptimizer:
         """
         me = peers.index(rank)
         donor = min(peers.index(h) for h in holders)
-        old = self._share_layout(group, donor, me, replicas_total)
+        old = self._share_layout(group, donor, me, replicas_total, should_abort)
         midway()
         new = ShardLayout(self.numel, tuple(sorted(replicas)), neighbour_copy=self.neighbour_copy)
         held_by = {replicas[peers.index(h)] for h in holders}
@@ -394,7 +397,7 @@ class ShardedOptimizer:
         else:
             plan = reshard(old, new, held_by)
         if old is not None:  # first, so that a give-up checkpoint's module is the same on every survivor
-            self._sync_parameters(group, old, held_by, replicas)
+            self._sync_parameters(group, old, held_by, replicas, should_abort)
         if plan.lost and self.on_loss != "reinit":
             lost = ", ".join(f"[{a}, {b})" for a, b in plan.lost)
             raise ShardLost(f"the sharded optimizer state lost elements {lost} of {self.numel}: their owner and the "
@@ -402,21 +405,36 @@ class ShardedOptimizer:
                             "the last checkpoint (on_shard_loss: \"reinit\" rebuilds such ranges instead)")
         fresh = {into: self._new_held(a, b) for into, (a, b) in new.held(mine).items()}
         width = len(self.keys) + len(self.fresh_scalars)
-        work = []
-        for tag, mv in enumerate(plan.moves):
+        # every remote move in one all-to-all (gloo's send/recv cannot be polled, so a peer could not
+        # stop waiting when another saw the generation fail); each pair's moves in plan order
+        n = len(replicas)
+        outgoing, incoming = [[] for _ in range(n)], [[] for _ in range(n)]
+        for mv in plan.moves:
             if mv.src == mine:
                 payload = self._slice(mv.start, mv.end, whole=old is None)
                 if mv.local:
                     self._fill(fresh[mv.into], mv, payload)
-                else:  # the payload stays referenced until the send completed
-                    work.append((group.send([payload], replicas.index(mv.dst), tag), None, payload))
+                else:
+                    outgoing[replicas.index(mv.dst)].append(payload.float())
             elif mv.dst == mine:
-                buf = torch.empty((mv.end - mv.start) * width)
-                work.append((group.recv([buf], replicas.index(mv.src), tag), mv, buf))
-        for w, mv, buf in work:
-            w.wait()
-            if mv is not None:
-                self._fill(fresh[mv.into], mv, buf)
+                incoming[replicas.index(mv.src)].append(mv)
+        if any(not mv.local for mv in plan.moves):  # the plan is the same on every peer: all call it or none
+            from megatron_mecefo.elastic import groups
+
+            device = self.optimizer.param_groups[0]["params"][0].device
+            send_splits = [sum(t.numel() for t in ts) for ts in outgoing]
+            recv_splits = [sum((mv.end - mv.start) * width for mv in mvs) for mvs in incoming]
+            sent = torch.cat([t.to(device) for ts in outgoing for t in ts]) if any(send_splits) else \
+                torch.empty(0, device=device)
+            got = torch.empty(sum(recv_splits), device=device)
+            groups.wait_(group.alltoall_base(got, sent, recv_splits, send_splits, dist.AllToAllOptions()),
+                         should_abort)
+            at = 0
+            for mvs in incoming:
+                for mv in mvs:
+                    size = (mv.end - mv.start) * width
+                    self._fill(fresh[mv.into], mv, got[at:at + size])
+                    at += size
         for held in fresh.values():  # a lost range (reinit) keeps its fresh state: zeros, step 0
             self._bind(held)
         return new, mine, fresh, plan, group, list(replicas)
@@ -427,7 +445,7 @@ class ShardedOptimizer:
         self._source = None
         self.optimizer.state.clear()  # the whole state it may have held (a loaded checkpoint) is now sharded
 
-    def _share_layout(self, group, donor: int, me: int, width: int) -> Optional[ShardLayout]:
+    def _share_layout(self, group, donor: int, me: int, width: int, should_abort=None) -> Optional[ShardLayout]:
         """The donor's layout (its live replicas; -1: the whole state), broadcast to the peers."""
         info = torch.full((width,), -2, dtype=torch.int64)
         if me == donor:
@@ -435,13 +453,13 @@ class ShardedOptimizer:
             info[:len(live)] = torch.tensor(live)
         from megatron_mecefo.elastic import groups
 
-        groups.broadcast_(group, info, donor)
+        groups.broadcast_(group, info, donor, should_abort)
         live = [int(x) for x in info if x != -2]
         if live == [-1]:
             return None
         return ShardLayout(self.numel, tuple(live), neighbour_copy=self.neighbour_copy)
 
-    def _sync_parameters(self, group, old: ShardLayout, held_by, replicas: Sequence[int]) -> None:
+    def _sync_parameters(self, group, old: ShardLayout, held_by, replicas: Sequence[int], should_abort=None) -> None:
         """Every old shard's parameters from a surviving holder (its owner, else its copy's holder, else
         the lowest survivor) to every peer: after a gather that a death cut short, no rank keeps a
         half-updated model."""
@@ -453,7 +471,7 @@ class ShardedOptimizer:
             if holder not in held_by:  # lost (reinit): any one survivor's values, the same everywhere
                 holder = min(held_by)
             buf = self._read(a, b) if holder == self.replica else torch.empty(b - a)
-            groups.broadcast_(group, buf, replicas.index(holder))
+            groups.broadcast_(group, buf, replicas.index(holder), should_abort)
             if holder != self.replica:
                 self._write(a, buf)
         if self.on_parameters is not None:

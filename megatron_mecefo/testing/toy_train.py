@@ -11,7 +11,6 @@ rank saves its parameters and optimizer state to DIR/final_rank{R}.pt.
 import argparse
 import hashlib
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic.fold import sample_range
-from megatron_mecefo.errors import GAVE_UP_EXIT_CODE, GaveUp, JobFinished
+from megatron_mecefo.errors import run_to_exit
 from megatron_mecefo.params import GradGroup, tag_parameters
 
 D = 8
@@ -127,7 +126,9 @@ def main():
                         state=(lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
                                lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"]))))
     step = 0
-    try:
+
+    def train():  # run_to_exit maps how it ends to the launchers' exit codes, as the examples do
+        nonlocal step
         step = rt.start()
         while step < args.steps:
             rt.begin_step(step)
@@ -153,13 +154,10 @@ def main():
                 step += 1
                 if sharded is not None and sharded.gather_error is not None:  # a peer died after the commit
                     rt.regroup_after_commit(sharded.gather_error)
-    except JobFinished as e:
-        print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
+        return True
+
+    if not run_to_exit(train):  # JobFinished: a restarted rank came back after the end
         return
-    except GaveUp as e:
-        where = f" Checkpoint saved to {e.checkpoint}" if e.checkpoint else ""
-        print(f"MeCeFO: cannot continue: {e}.{where}", file=sys.stderr, flush=True)
-        sys.exit(GAVE_UP_EXIT_CODE)
     shards = None
     if sharded is not None:  # what this rank holds: (start, end, per-element state, step per element)
         shards = [(h.start, h.end, {k: h.state[k].clone() for k in sharded.keys},
