@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_mecefo.testing.launch import run_launcher  # noqa: F401  (the tests' runner)
+from megatron_mecefo.testing.launch import free_port, run_launcher  # noqa: F401  (the tests' runner)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,14 +38,11 @@ def two_nodes_lose_one(tmp_path, script_args, *, victim_node: int, start_s: floa
     the surviving launcher's CompletedProcess."""
     import os
     import signal
-    import socket
     import subprocess
     import sys
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     store = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.store_daemon", "--host", "127.0.0.1",
                               "--port", str(port), "--grace", "1"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert store.stdout.readline().startswith("ready: the store of job")

@@ -137,16 +137,24 @@ class Membership:
             self._thread.join(timeout=2 * self.hb_interval + 1)
 
     def _beat(self) -> None:
-        try:
-            store = self._connect()
-        except Exception:  # the store is gone already
-            return
-        while not self._stop.wait(self.hb_interval):
+        # A failed store call is retried on a new connection for up to heartbeat_timeout_s: a
+        # transient error (a loaded store host) must not silence a healthy rank for good. Past
+        # that the store is gone: the job is ending.
+        store, failing_since = None, None
+        while True:
             try:
+                if store is None:
+                    store = self._connect()
                 store.add(f"hb/{self.rank}", 1)
+                failing_since = None
                 if self._watch is not None:
                     self._check_excluded(store)
-            except Exception:  # the store is gone: the job is ending
+            except Exception:
+                store = None
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > self.hb_timeout:
+                    return
+            if self._stop.wait(self.hb_interval):
                 return
 
     def watch_exclusion(self, generation: Optional[int], on_excluded: Optional[Callable[[int, list], None]] = None) -> None:

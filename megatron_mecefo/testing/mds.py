@@ -14,7 +14,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from megatron_mecefo.log import read_jsonl
-from megatron_mecefo.testing.launch import ROOT, run_launcher
+from megatron_mecefo.testing.launch import ROOT, free_port, run_launcher
 
 STUBS = Path(__file__).resolve().parent / "stubs"
 SNAPSHOT_GLOB = "Megatron-DeepSpeed-*.tar.gz"
@@ -88,10 +87,6 @@ b.finalize("{prefix}.idx")
     subprocess.run([sys.executable, "-c", code], cwd=checkout, env=env(), check=True, capture_output=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def args(data: Path, ds_config: Path, *, dp: int, tp: int = 1, iters: int = 10, micro_batches: int = 2,

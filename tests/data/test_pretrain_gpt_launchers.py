@@ -5,7 +5,6 @@ injected exit), records it, restarts the process, and the rank rejoins."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,17 +14,11 @@ import pytest
 
 from megatron_mecefo.testing import mds
 from tests.data.pretrain import SMALL, valid_loss
-from tests.helpers import ROOT
+from tests.helpers import ROOT, free_port
 
 pytestmark = [pytest.mark.dist, pytest.mark.fault]
 
 STEPS, HOLD = 16, 10
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _args(log_dir, world, *, rejoin=True, steps=STEPS, ds_config=None):
@@ -112,7 +105,7 @@ def test_deepspeed_launcher_survives_a_killed_rank_which_rejoins(tmp_path):
     assert cfg["mecefo"]["rank"] == 64
     cfg["mecefo"].update(rank=16, log_dir=str(tmp_path / "logs"), restart_failed_after=1)  # hidden 64 here: r < 64
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "3", "--master_port", str(_free_port()),
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "3", "--master_port", str(free_port()),
            *_args(None, 3, ds_config=tmp_path / "ds.json")]
     check_rejoined(tmp_path, run_and_kill([cmd], tmp_path, 3), 3)
 
@@ -130,7 +123,7 @@ def test_torchrun_survives_a_killed_rank_which_rejoins(tmp_path):
 def test_ranks_started_by_hand_survive_a_killed_rank_which_rejoins(tmp_path):
     """Three `python pretrain_gpt.py` processes with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
     set by hand (as a Slurm script would): rank 0's keeper starts the job's store."""
-    port = str(_free_port())
+    port = str(free_port())
     env = [dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
            for r in range(3)]
     cmd = [sys.executable, *_args(tmp_path / "logs", 3)]
@@ -150,7 +143,7 @@ def test_two_nodes_with_an_external_store_lose_node_0(tmp_path):
     """A `mecefo-store` on a head node and two DeepSpeed node launches (2 ranks each) pointed at it
     with --mecefo-store. Node 0's launcher is SIGKILLed with its ranks and keepers once rank 2 has
     trained 3 steps: node 1 covers both lost replicas and finishes every step on the whole batch."""
-    store_port, master_port = _free_port(), _free_port()
+    store_port, master_port = free_port(), free_port()
     store = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.store_daemon", "--host", "127.0.0.1",
                               "--port", str(store_port), "--grace", "1"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert store.stdout.readline().startswith("ready: the store of job")
@@ -198,7 +191,7 @@ def test_sigterm_to_the_launcher_leaves_no_process_behind(tmp_path, launcher):
     launcher, which `deepspeed` runs on each node; torchrun's agent) ends every keeper, every
     training process and the job's store. (On one node the `deepspeed` runner itself does not
     forward SIGTERM to it: a DeepSpeed property; Ctrl-C and Slurm signal every process anyway.)"""
-    port = _free_port()
+    port = free_port()
     if launcher == "deepspeed":
         cmd = _node_launch(0, {"localhost": [0, 1]}, port, _args(tmp_path / "logs", 2))
     else:

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_mecefo.elastic import chaos
 from megatron_mecefo.elastic.chaos import Fault, Schedule
-from tests.helpers import ROOT, run_launcher, two_nodes_lose_one
+from tests.helpers import ROOT, free_port, run_launcher, two_nodes_lose_one
 
 pytestmark = [pytest.mark.dist, pytest.mark.fault]
 
@@ -158,12 +158,9 @@ def test_tensor_parallel_under_the_deepspeed_launcher(tmp_path):
     at step 3 (a real SIGKILL: its keeper absorbs it; its mate leaves with the replica, exit 4, and
     its keeper too): replica 0 finishes every step on the whole global batch and every process
     the launcher started exits 0."""
-    import socket
     from pathlib import Path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "4", "--master_port", str(port),
            str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"), "--deepspeed_config",
            str(ROOT / "examples/pretrain_gpt/ds_config.json"), *MODEL, "--tensor-model-parallel-size", "2",

@@ -27,13 +27,14 @@ def member(store, rank, **kw):
                       agree_timeout_s=kw.get("agree_timeout_s", 5.0), whole=kw.get("whole"))
 
 
-def agree_all(store, generation, steps, whole=None, candidates=None):
+def agree_all(store, generation, steps, whole=None, candidates=None, agree_timeout_s=5.0):
     """Each rank of `steps` (rank -> step or None) agrees in its own thread."""
     out = {}
 
     def run(r):
         try:
-            out[r] = member(store, r, whole=whole).agree(generation, sorted(candidates or steps), steps[r])
+            m = member(store, r, whole=whole, agree_timeout_s=agree_timeout_s)
+            out[r] = m.agree(generation, sorted(candidates or steps), steps[r])
         except Exception as e:  # noqa: BLE001 - the test inspects it
             out[r] = e
 
@@ -163,3 +164,95 @@ def test_a_missing_commit_decision_becomes_an_abort(store):
     # a commit that got there first stands
     store.set("gen4/step10/decision", json.dumps({"commit": True, "joiners": []}))
     assert m.decide(4, 10, [0, 1], ok=True, world=2).commit
+
+
+def _beating(store, rank):
+    """A live heartbeat for `rank` until the returned event is set."""
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.1):
+            store.add(f"hb/{rank}", 1)
+
+    store.add(f"hb/{rank}", 1)
+    threading.Thread(target=beat, daemon=True).start()
+    return stop
+
+
+def test_a_restarted_rank_asking_to_join_is_not_waited_for(store, caplog):
+    """Rank 2 was killed and its restart (heartbeat beating) asks to join while 0 and 1 agree on the
+    survivors: it never checks in here, so waiting for it would only run out agree_timeout_s (60 s)."""
+    store.set("joinee/2", "")
+    store.set("join/2", "waiting")
+    stop = _beating(store, 2)
+    t0 = time.monotonic()
+    try:
+        with caplog.at_level("WARNING", logger="megatron_mecefo.elastic.membership"):
+            out = agree_all(store, 3, {0: 12, 1: 12}, candidates=[0, 1, 2], agree_timeout_s=60.0)
+    finally:
+        stop.set()
+    assert {r: p.members for r, p in out.items()} == {0: (0, 1), 1: (0, 1)}
+    assert time.monotonic() - t0 < 30, "waited for the deadline"
+    assert "rank 2 left out: restarted; it rejoins at a step boundary" in caplog.text
+
+
+def test_a_joiner_named_for_the_generation_is_waited_for(store):
+    """Rank 2 asked to join and was named for generation 3 (joinee/2) but has not yet marked itself
+    admitted: it is coming to this agreement, so the plan waits for it and names it a joiner."""
+    store.set("join/2", "waiting")
+    store.set("joinee/2", "3")
+    stop = _beating(store, 2)
+
+    def late_check_in():
+        time.sleep(1.0)
+        store.set("join/2", "admitted")
+        return member(store, 2).agree(3, [0, 1, 2], None)
+
+    late = {}
+    t = threading.Thread(target=lambda: late.update(p=late_check_in()))
+    t.start()
+    try:
+        out = agree_all(store, 3, {0: 12, 1: 12}, candidates=[0, 1, 2], agree_timeout_s=60.0)
+        t.join(30)
+    finally:
+        stop.set()
+    assert out[0].members == out[1].members == late["p"].members == (0, 1, 2)
+    assert out[0].joiners == (2,)
+
+
+def test_a_rank_left_out_for_a_late_check_in_is_explained(store, caplog):
+    stop = _beating(store, 2)  # alive, never checks in
+    try:
+        with caplog.at_level("WARNING", logger="megatron_mecefo.elastic.membership"):
+            out = agree_all(store, 1, {0: 5, 1: 5}, candidates=[0, 1, 2], agree_timeout_s=1.0)
+    finally:
+        stop.set()
+    assert out[0].members == (0, 1)
+    assert "rank 2 left out: alive but not checked in within 1 s" in caplog.text
+
+
+def test_the_heartbeat_outlives_a_failed_store_call(store):
+    """A store call of the heartbeat thread that fails once (a loaded store host) is retried on a new
+    connection: the rank stays alive in its peers' eyes."""
+    real = lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)  # noqa: E731
+    calls = {"n": 0}
+
+    class Flaky:
+        def __init__(self):
+            self.inner = real()
+
+        def add(self, key, value):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("store call timed out")
+            return self.inner.add(key, value)
+
+    m = Membership(store, Flaky, 1, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, agree_timeout_s=5.0)
+    m.start()
+    try:
+        time.sleep(1.5)
+        before = int(store.add("hb/1", 0))
+        time.sleep(0.5)
+        assert int(store.add("hb/1", 0)) > before, "the heartbeat stopped after one failed call"
+    finally:
+        m.stop()

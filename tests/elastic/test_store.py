@@ -14,7 +14,7 @@ import pytest
 
 from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.errors import JobConflict
-from tests.helpers import ROOT, run_launcher
+from tests.helpers import ROOT, free_port, run_launcher
 from megatron_mecefo.testing.chaos_runs import TOY_SCRIPT
 
 pytestmark = pytest.mark.dist
@@ -63,9 +63,7 @@ def test_mecefo_launch_refuses_a_taken_port(tmp_path):
 
 def test_store_daemon_ends_with_its_launcher():
     watched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     daemon = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.store_daemon", "--port", str(port),
                                "--job-id", "j", "--watch-pid", str(watched.pid), "--grace", "0"],
                               stdout=subprocess.PIPE, text=True)
@@ -102,9 +100,7 @@ def _steps(out, rank):
 def test_rerun_on_the_port_of_a_killed_job_refuses_then_trains(tmp_path):
     """The issue's reproducer: both ranks SIGKILLed mid-run, the same command again on the same port.
     Before, the new ranks read the old job's keys and "committed" steps with 0 samples, exit 0."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     first = _tiny_gpt_by_hand(port, tmp_path / "first", "--step-sleep", "0.05")
     deadline = time.monotonic() + 120
     while len(_steps(tmp_path / "first", 0)) < 5:

@@ -5,7 +5,6 @@ at another replica count; two adjacent replicas gone lose a shard."""
 
 import gc
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -14,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_mecefo.elastic.zero import ShardedOptimizer, ShardLost
+from megatron_mecefo.testing.launch import free_port
 from megatron_mecefo.params import GradGroup
 
 pytestmark = pytest.mark.dist
@@ -118,9 +118,7 @@ def worker(rank, port, schedule, load, save, start_step, out, on_loss="give_up",
 
 def run(out, schedule, world=4, load=None, save=None, start_step=0, on_loss="give_up", dtype=torch.float32):
     out.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(worker, args=(port, schedule, load, save, start_step, str(out), on_loss, dtype), nprocs=world, join=True)
     return {r: torch.load(out / f"rank{r}.pt") for r in range(world)}
 
@@ -241,9 +239,7 @@ def test_reduce_scatter_gives_each_rank_its_ranges_of_the_all_reduced_gradient(t
     all-reduced, divided gradient on its shard (and on its copy, from the copy's owner), zeros
     elsewhere; the per-parameter squared norms are the whole gradient's on every rank."""
     world = 3
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(rs_worker, args=(port, world, neighbour, str(tmp_path)), nprocs=world, join=True)
     for rank in range(world):
         rec = torch.load(tmp_path / f"rank{rank}.pt")
@@ -257,3 +253,70 @@ def test_reduce_scatter_gives_each_rank_its_ranges_of_the_all_reduced_gradient(t
         assert torch.allclose(got[mask], whole[mask], rtol=1e-6, atol=1e-7) and not got[~mask].any()
         for g, sq in zip(rec["whole"], rec["sq"]):
             assert sq == pytest.approx(float(g.double().square().sum()), rel=1e-6)
+
+
+class _LeavesBeforeTheMoves:
+    """A peer's group that, at the re-shard's moves, marks the generation failed and stops taking
+    part without closing its connections (as a peer that saw another failure first does)."""
+
+    def __init__(self, group, store):
+        self.group, self.store = group, store
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+    def alltoall_base(self, *args):
+        self.store.set("gen1/formed", "no")
+        raise RuntimeError("left the generation")
+
+
+def abort_worker(rank, port, where, out):
+    """Generation 0: 4 replicas. Generation 1: replica 3 gone; rank 2 leaves it `where` ("layout":
+    before anything, "moves": at the all-to-all) and marks it failed, keeping its sockets open;
+    ranks 0 and 1 re-shard with the runtime's should_abort and must stop at once, not after the
+    group's 30 s timeout."""
+    import time
+
+    from megatron_mecefo.elastic.groups import PeerAborted
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
+    live = [0, 1, 2, 3]
+    sharded = ShardedOptimizer(optimizer(model()))
+    sharded.install(sharded.regroup(group_of(store, 0, live, rank), live, live, live, rank, replicas_total=4))
+    if rank == 3:
+        store.wait(["done/0", "done/1"])
+        return
+    live = [0, 1, 2]
+    group = group_of(store, 1, live, rank)
+    failed = lambda: store.check(["gen1/formed"]) and store.get("gen1/formed") == b"no"  # noqa: E731
+    if rank == 2:
+        if where == "layout":
+            store.set("gen1/formed", "no")
+        else:
+            try:
+                sharded.regroup(_LeavesBeforeTheMoves(group, store), live, live, live, rank, replicas_total=4)
+            except RuntimeError:
+                pass
+        store.wait(["done/0", "done/1"])
+        return
+    t0 = time.monotonic()
+    try:
+        sharded.regroup(group, live, live, live, rank, replicas_total=4, should_abort=failed)
+        outcome = "finished"
+    except PeerAborted:
+        outcome = "aborted"
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        outcome = f"{type(e).__name__}: {e}"
+    torch.save({"outcome": outcome, "s": time.monotonic() - t0}, os.path.join(out, f"rank{rank}.pt"))
+    store.set(f"done/{rank}", "1")
+    group = None
+    gc.collect()
+
+
+@pytest.mark.parametrize("where", ["layout", "moves"])
+def test_a_regroup_stops_waiting_once_a_peer_marks_the_generation_failed(tmp_path, where):
+    mp.spawn(abort_worker, args=(free_port(), where, str(tmp_path)), nprocs=4, join=True)
+    for rank in (0, 1):
+        rec = torch.load(tmp_path / f"rank{rank}.pt")
+        assert rec["outcome"] == "aborted" and rec["s"] < 15, rec

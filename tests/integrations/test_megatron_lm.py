@@ -386,13 +386,13 @@ def test_gpu_smoke(mlm_checkout, tmp_path):
 
     import torch
 
-    from tests.helpers import run_launcher
+    from tests.helpers import free_port, run_launcher
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     args = [a for a in mlm.args(dp=1, iters=5) if a not in ("--distributed-backend", "gloo")]
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", "1", "--master-port",
-           str(mds.free_port()), "pretrain_gpt.py", *args, "--bf16", "--mecefo", "--mecefo-rank", "16",
+           str(free_port()), "pretrain_gpt.py", *args, "--bf16", "--mecefo", "--mecefo-rank", "16",
            "--mecefo-log-dir", str(tmp_path / "log")]
     env = dict(mlm.env(), MECEFO_TEST_FAKE_CUDA="0")
     env["PYTHONPATH"] = os.pathsep.join(p for p in env["PYTHONPATH"].split(os.pathsep) if p != str(mlm.FAKE_CUDA))
