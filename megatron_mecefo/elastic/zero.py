@@ -421,7 +421,7 @@ class ShardedOptimizer:
         if any(not mv.local for mv in plan.moves):  # the plan is the same on every peer: all call it or none
             from megatron_mecefo.elastic import groups
 
-            device = self.optimizer.param_groups[0]["params"][0].device
+            device = next(p.device for g in self.optimizer.param_groups for p in g["params"])
             send_splits = [sum(t.numel() for t in ts) for ts in outgoing]
             recv_splits = [sum((mv.end - mv.start) * width for mv in mvs) for mvs in incoming]
             sent = torch.cat([t.to(device) for ts in outgoing for t in ts]) if any(send_splits) else \
