@@ -225,6 +225,17 @@ def test_the_record_survives_the_lead(mds_checkout, tmp_path, phase):
     mds.assert_recorded_once(out, killed="rank 0: kill at step 4", iters=8, evaluations={5: 1, 8: 2})
 
 
+def _pipeline_engine_args(data, tmp_path, extra, zero_stage=0):
+    """DeepSpeed's pipeline engine at P = 2 x D = 2, 12 iterations."""
+    flags = mds.args(data, tmp_path / "ds.json", dp=2, iters=12, extra=extra, zero_stage=zero_stage)
+    return [a for a in flags if a != "--no-pipeline-parallel"] + ["--pipeline-model-parallel-size", "2"]
+
+
+_NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+_EXACT = _NO_DROPOUT + ["--mecefo", "--no-mecefo-skip-attention", "--no-mecefo-lowrank-ffn",
+                        "--mecefo-recompute-ffn", "never", "--mecefo-log-param-hash"]
+
+
 @pytest.mark.fault
 def test_pipeline_engine_absorbs_a_kill_a_rejoin_and_a_hung_lead(mds_checkout, tmp_path):
     """DeepSpeed's pipeline engine (GPTModelPipe, tied embeddings), P = 2 x D = 2: a replica is its
@@ -233,28 +244,28 @@ def test_pipeline_engine_absorbs_a_kill_a_rejoin_and_a_hung_lead(mds_checkout, t
     last stage of replica 1 is SIGKILLed in the backward of step 4: its first stage leaves (exit 4),
     replica 0 runs both replicas' micro-batches through its pipeline, and the restarted replica
     rejoins after step 8. The lead's last stage (the rank that prints the losses) hangs in step 4:
-    its replica leaves and the other one prints every line once. With ds_config stage 1 (the optimizer
-    state sharded over the replicas per stage) and the last stage of replica 1 killed after step 4's
-    commit, the losses are the same. With the approximations off the losses are the fault-free ones
-    throughout."""
+    its replica leaves and the other one prints every line once. With the approximations off the
+    losses are the fault-free ones throughout."""
     root, data = mds_checkout
-    no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
-    exact = no_dropout + ["--mecefo", "--no-mecefo-skip-attention", "--no-mecefo-lowrank-ffn",
-                          "--mecefo-recompute-ffn", "never", "--mecefo-log-param-hash"]
-
-    def args(extra, zero_stage=0):
-        flags = mds.args(data, tmp_path / "ds.json", dp=2, iters=12, extra=extra, zero_stage=zero_stage)
-        return [a for a in flags if a != "--no-pipeline-parallel"] + ["--pipeline-model-parallel-size", "2"]
-
-    upstream = mds.torchrun(root, 4, args(no_dropout), script="pretrain_gpt_upstream.py")
-    free = mds.mecefo_launch(root, 4, args(exact))
+    upstream = mds.torchrun(root, 4, _pipeline_engine_args(data, tmp_path, _NO_DROPOUT), script="pretrain_gpt_upstream.py")
+    free = mds.mecefo_launch(root, 4, _pipeline_engine_args(data, tmp_path, _EXACT))
     mds.assert_same_run(upstream, upstream, free, iters=12, evals=(5, 10))
-    want = mds.losses(upstream.stdout)
-    mds.check_pipeline_faults(lambda a, **kw: mds.mecefo_launch(root, 4, a, **kw), lambda extra: args(exact + extra),
-                              want, tmp_path / "log")
-    sharded = mds.mecefo_launch(root, 4, args(exact + ["--mecefo-log-dir", str(tmp_path / "sharded"),
-                                                       "--mecefo-inject", "kill:3:4:optimizer"], zero_stage=1))
-    mds.assert_losses(sharded, want, 12)
+    mds.check_pipeline_faults(lambda a, **kw: mds.mecefo_launch(root, 4, a, **kw),
+                              lambda extra: _pipeline_engine_args(data, tmp_path, _EXACT + extra),
+                              mds.losses(upstream.stdout), tmp_path / "log")
+
+
+@pytest.mark.fault
+def test_pipeline_engine_zero1_state_through_a_kill_after_the_commit(mds_checkout, tmp_path):
+    """The same pipeline with ds_config stage 1 (the optimizer state sharded over the replicas per
+    stage): the last stage of replica 1 killed after step 4's commit; the losses are the unpatched
+    run's, and every step's records hold the whole global batch on identical stages."""
+    root, data = mds_checkout
+    upstream = mds.torchrun(root, 4, _pipeline_engine_args(data, tmp_path, _NO_DROPOUT), script="pretrain_gpt_upstream.py")
+    sharded = mds.mecefo_launch(root, 4, _pipeline_engine_args(
+        data, tmp_path, _EXACT + ["--mecefo-log-dir", str(tmp_path / "sharded"), "--mecefo-inject", "kill:3:4:optimizer"],
+        zero_stage=1))
+    mds.assert_losses(sharded, mds.losses(upstream.stdout), 12)
     assert "generation 1: members [0, 2], cover {1: 0}" in sharded.stdout
     mds.check_whole_and_identical(tmp_path / "sharded", dp=2, k=2, iters=12, pp=2)
 
