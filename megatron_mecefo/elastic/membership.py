@@ -12,8 +12,8 @@ generation never mislead a later one:
   lowest live checked-in rank publishes the plan (members, joiners = members without the newest
   state, step) with compare-and-set; everyone adopts the first published plan. A restarted rank
   asking to join is not waited for (it comes in at a step boundary); the publisher logs why each
-  candidate was left out. A failure during agreement only delays it; the next generation starts over. A plan with no state holder is never
-  published: "lost" ends the job instead.
+  candidate was left out. A failure during agreement only delays it; the next generation starts
+  over. A plan with no state holder is never published: "lost" ends the job instead.
 * commit      `gen{g}/step{s}/vote/{rank}`, `.../oks`, `.../decision`: each member votes ok/abort
   after its gradient reduction (an ok vote also counts up `oks`; an abort vote decides abort at
   once); the lowest live member decides commit (`oks` reached the member count) or abort (a member
@@ -257,7 +257,8 @@ class Membership:
                 )
             checked = {r: int(self.store.get(f"{prefix}/in/{r}")) for r in candidates
                        if self.store.check([f"{prefix}/in/{r}"])}
-            live = set(self.alive(candidates)) - self._asking_to_join(r for r in candidates if r not in checked)
+            asking = self._asking_to_join(r for r in candidates if r not in checked)
+            live = set(self.alive(candidates)) - asking
             pending = [r for r in candidates if r in live and r not in checked]
             voters = [r for r in sorted(checked) if r in live]
             # past the deadline, go on without ranks that never checked in (they may rejoin later)
@@ -268,7 +269,7 @@ class Membership:
                     newest = max(steps)
                     plan = {"members": whole, "joiners": [r for r in whole if checked[r] != newest], "step": newest}
                     if self.store.compare_set(plan_key, "", json.dumps(plan)).decode() == json.dumps(plan):
-                        self._explain(generation, candidates, whole, checked, live)
+                        self._explain(generation, candidates, whole, checked, live, asking)
                 elif any(checked[r] >= 0 for r in voters):  # the state lives on in broken replicas only
                     self.store.compare_set(plan_key, "", json.dumps({"members": [], "joiners": [], "step": -1,
                                                                     "voters": voters}))
@@ -305,11 +306,11 @@ class Membership:
                 out.add(r)
         return out
 
-    def _explain(self, generation: int, candidates, members, checked, live) -> None:
+    def _explain(self, generation: int, candidates, members, checked, live, asking) -> None:
         """Say on the publishing rank why each candidate left out of `generation` was left out: a
         healthy rank presumed failed (late, say, under load) is then told apart from a dead one."""
         for r in sorted(set(candidates) - set(members)):
-            if r in self._asking_to_join([r]):
+            if r in asking:
                 why = "restarted; it rejoins at a step boundary"
             elif r not in live:
                 last = self._seen.get(r)
