@@ -237,6 +237,7 @@ _EXACT = _NO_DROPOUT + ["--mecefo", "--no-mecefo-skip-attention", "--no-mecefo-l
 
 
 @pytest.mark.fault
+@pytest.mark.timeout(600)  # four 4-rank jobs in a row, each bounded by its own launcher timeout
 def test_pipeline_engine_absorbs_a_kill_a_rejoin_and_a_hung_lead(mds_checkout, tmp_path):
     """DeepSpeed's pipeline engine (GPTModelPipe, tied embeddings), P = 2 x D = 2: a replica is its
     two stages, and the engine's own schedule runs the plan's micro-batches inside it. With no
