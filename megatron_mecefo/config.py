@@ -18,7 +18,7 @@ import textwrap
 from typing import Any, Dict, Mapping, Optional
 
 from megatron_mecefo.approx.mode import BASES, SVD_METHODS, CoverPolicy
-from megatron_mecefo.elastic.inject import parse_rules, parse_trace
+from megatron_mecefo.fault_rules import parse_rules, parse_trace
 
 __all__ = ["MeCeFOConfig", "LaunchEnv", "prepare_nccl_error_handling", "RECOMPUTE_CHOICES", "APPROXIMATE_CHOICES",
            "field_docs", "reference_table"]
@@ -186,7 +186,7 @@ class MeCeFOConfig:
     "join"|"transfer"|"admit"|"reshard", "incarnation": I (default 0: the first start)}; "hold" makes every
     rank wait at the start of step S until incarnation I (default 1) of rank R asks to rejoin.
     CLI: --mecefo-inject kill|hang:RANK:STEP[:PHASE[:INCARNATION]] or hold:RANK:STEP[:INCARNATION]
-    (repeatable). A rank outside the job is refused at start (formats: elastic/inject.py)."""
+    (repeatable). A rank outside the job is refused at start (formats: fault_rules.py)."""
 
     trace: Optional[dict] = None
     """Trace-driven failures: {"mtbf_steps": M, "recovery_steps": R, "seed": S} (job-wide mean steps

@@ -12,7 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {
     "megatron_mecefo": ("megatron", "deepspeed"),
     "megatron_mecefo.approx": ("megatron", "deepspeed", "megatron_mecefo.layers", "megatron_mecefo.config"),
-    "megatron_mecefo.config": ("megatron", "deepspeed"),
+    # below the runtime: config.py validates its block without importing what uses it
+    "megatron_mecefo.config": ("megatron", "deepspeed", "megatron_mecefo.elastic", "megatron_mecefo.integrations",
+                               "megatron_mecefo.deepspeed_hook", "megatron_mecefo.layers"),
     "megatron_mecefo.params": ("megatron", "deepspeed"),
     "megatron_mecefo.layers": ("deepspeed",),
     "megatron_mecefo.elastic": ("megatron", "deepspeed", "megatron_mecefo.layers"),
@@ -150,3 +152,22 @@ def test_no_import_runs_back_up_the_layering():
         if m not in state:
             visit(m)
     assert not cycles, "imports that run back up the layering:\n" + "\n".join(cycles)
+
+
+# The package's own top-level modules sit below its subpackages (approx/, the math, is the one they
+# may use): nothing they import, at module level or inside a function, runs back up into a layer
+# that builds on them.
+_BASE = ("megatron_mecefo.config", "megatron_mecefo.errors", "megatron_mecefo.fault_rules", "megatron_mecefo.log",
+         "megatron_mecefo.params", "megatron_mecefo.rng", "megatron_mecefo.locks")
+_ABOVE = ("megatron_mecefo.elastic", "megatron_mecefo.integrations", "megatron_mecefo.deepspeed_hook",
+          "megatron_mecefo.layers", "megatron_mecefo.sim", "megatron_mecefo.data", "megatron_mecefo.testing")
+
+
+def test_base_modules_import_nothing_above_them():
+    files = {}
+    for path in (ROOT / "megatron_mecefo").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for module in _BASE:
+        up = sorted(t for t in _imports(module, files[module], set(files)) if t.startswith(_ABOVE))
+        assert not up, f"{module} imports {up}: move what it needs below it"

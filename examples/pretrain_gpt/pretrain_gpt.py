@@ -255,14 +255,12 @@ def main(argv=None):
         raise ValueError("--perturb-loss needs tensor and pipeline parallel size 1")
     ds_config = ds_config_for(args, dp)
     if mecefo.enable:
-        from megatron_mecefo.elastic.inject import check_rules, job_trace
+        from megatron_mecefo.elastic.inject import check_job
 
         mecefo.check_ds_config(ds_config)
-        check_rules(mecefo.inject, env.world)  # bad failure rules end here, before any data or model is built
-        if mecefo.trace is not None:
-            if sharded:
-                raise ValueError('mecefo "trace" needs tensor and pipeline parallel size 1 (use --mecefo-inject)')
-            job_trace(mecefo.trace, env.world, args.train_iters, mecefo.restarts(env))
+        # bad failure rules or traces end here, before any data or model is built
+        check_job(mecefo, env.world, model_parallel=tp * pp, train_iters=args.train_iters,
+                  max_restarts=mecefo.restarts(env))
     # the checks above import neither DeepSpeed nor Megatron-Core: bad input ends in about a second
     from megatron_mecefo.data.tokenizer import build_tokenizer
 

@@ -33,20 +33,12 @@ import signal
 import sys
 from typing import Iterable, List, Mapping, Optional, Sequence
 
+from megatron_mecefo.fault_rules import KINDS, PAPER_SCENARIOS, PHASES, RULE_FORMAT, parse_rules, parse_trace
+
 __all__ = ["FaultInjector", "KINDS", "PHASES", "TraceEvent", "failure_trace", "trace_from_events", "PAPER_SCENARIOS",
-           "check_rules", "check_trace", "job_trace", "parse_rules", "parse_trace", "REJOIN_SLACK", "RULE_FORMAT"]
+           "check_rules", "check_job", "check_trace", "job_trace", "parse_rules", "parse_trace", "REJOIN_SLACK", "RULE_FORMAT"]
 
 logger = logging.getLogger(__name__)
-
-PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "join", "transfer", "admit", "reshard")
-"""Where a kill or hang fires (see the module docstring)."""
-
-KINDS = ("kill", "hang", "hold")
-
-RULE_FORMAT = "kill|hang:RANK:STEP[:PHASE[:INCARNATION]] or hold:RANK:STEP[:INCARNATION]"
-
-PAPER_SCENARIOS = {"low": (2.0, 4.0), "medium": (1.0, 3.0), "high": (0.5, 2.0)}
-"""The paper's failure scenarios: (mean time between failures, recovery time) in hours."""
 
 REJOIN_SLACK = 2
 """Steps a restarted rank is still counted down after its trace's rejoin step: it is admitted at a
@@ -184,97 +176,25 @@ def job_trace(trace: Mapping, world: int, total_steps: int, max_restarts: Option
                          max_restarts=max_restarts)
 
 
-# -- configuration: the rule and trace formats (composed by MeCeFOConfig) ---------------------------
-
-
-def parse_rules(rules, where: str = 'mecefo "inject"') -> List[dict]:
-    """Validate injection rules: dicts {"kind", "rank", "step" (int or "*"), "phase", "incarnation"}
-    or CLI strings in RULE_FORMAT. Returns normalized dicts (phase "backward" and incarnation 0 by
-    default; a hold's incarnation defaults to 1, its phase is "forward": the start of the step).
-
-    Raises:
-        ValueError: naming `where` (the ds_config key and flag) and the bad rule.
-    """
-    if isinstance(rules, (str, dict)):
-        rules = [rules]
-    out = []
-    for rule in rules:
-        if isinstance(rule, str):
-            parts = rule.split(":")
-            fields = ("kind", "rank", "step", "incarnation") if parts[0] == "hold" else \
-                ("kind", "rank", "step", "phase", "incarnation")
-            if not 3 <= len(parts) <= len(fields):
-                raise ValueError(f"{where}: {rule!r} is not {RULE_FORMAT}")
-            rule = dict(zip(fields, parts))
-            try:
-                rule["rank"] = int(rule["rank"])
-                rule["step"] = "*" if rule["step"] == "*" else int(rule["step"])
-                if "incarnation" in rule:
-                    rule["incarnation"] = int(rule["incarnation"])
-            except ValueError:
-                raise ValueError(f"{where}: rank, step (or *) and incarnation of {parts} must be integers") from None
-        if not isinstance(rule, dict):
-            raise ValueError(f"{where} entries must be objects, got {rule!r}")
-        unknown = set(rule) - {"kind", "rank", "step", "phase", "incarnation"}
-        if unknown:
-            raise ValueError(f"{where}: unknown field(s) {sorted(unknown)} in {rule!r}")
-        if rule.get("kind") not in KINDS:
-            raise ValueError(f"{where}: kind must be one of {KINDS}, got {rule.get('kind')!r}")
-        hold = rule["kind"] == "hold"
-        rule = {"phase": "forward" if hold else "backward", "incarnation": 1 if hold else 0, **rule}
-        if rule["phase"] not in PHASES:
-            raise ValueError(f"{where}: phase must be one of {PHASES}, got {rule['phase']!r}")
-        if hold and rule["step"] == "*":
-            raise ValueError(f"{where}: a hold names a step, got {rule!r}")
-        for f in ("rank", "step", "incarnation"):
-            v = rule.get(f)
-            if f == "step" and v == "*":
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{where}: {f} must be an integer >= 0, got {v!r}")
-        out.append(rule)
-    return out
-
-
-def parse_trace(trace, where: str = 'mecefo "trace"') -> dict:
-    """Validate a trace: {"events": [[rank, fail_step, rejoin_step], ...]}, {"mtbf_steps": M,
-    "recovery_steps": R, "seed": S}, or {"scenario": "low"|"medium"|"high", "steps_per_hour": H,
-    "seed": S} (the paper's rates). Returns the normalized dict.
+def check_job(config, world: int, *, model_parallel: int = 1, train_iters: Optional[int] = None,
+              max_restarts: Optional[int] = None) -> List[TraceEvent]:
+    """Every check of a MeCeFOConfig's "inject" and "trace" against the job, before anything is
+    built: the rules name ranks of the job, a trace runs with T = P = 1 and can be absorbed as
+    written. Returns the trace's events (empty without one). Called by the runtime and, earlier,
+    by the hosts that can fail fast (the examples, the patched checkouts).
 
     Raises:
-        ValueError: naming `where` and what is wrong.
+        ValueError: naming the rule, the event or the setting.
     """
-    if not isinstance(trace, dict):
-        raise ValueError(f"{where} must be an object, got {trace!r}")
-    trace = dict(trace)
-    if "events" in trace:  # a recorded / hand-made trace: [[rank, fail_step, rejoin_step], ...]
-        events = trace.pop("events")
-        if trace or not isinstance(events, list) or not all(
-            isinstance(e, (list, tuple)) and len(e) == 3 and all(isinstance(x, int) and x >= 0 for x in e) and e[2] > e[1]
-            for e in events
-        ):
-            raise ValueError(f'{where}: "events" must be a list of [rank, fail_step, rejoin_step] with rejoin > fail, alone')
-        return {"events": [list(e) for e in events]}
-    seed = trace.pop("seed", 0)
-    if "scenario" in trace:
-        scenario, per_hour = trace.pop("scenario"), trace.pop("steps_per_hour", None)
-        if scenario not in PAPER_SCENARIOS:
-            raise ValueError(f"{where}: scenario must be one of {tuple(PAPER_SCENARIOS)}, got {scenario!r}")
-        if isinstance(per_hour, bool) or not isinstance(per_hour, (int, float)) or per_hour <= 0:
-            raise ValueError(f"{where}: steps_per_hour must be a number > 0 with a scenario, got {per_hour!r}")
-        mtbf_h, recovery_h = PAPER_SCENARIOS[scenario]
-        trace.update(mtbf_steps=mtbf_h * per_hour, recovery_steps=max(1, round(recovery_h * per_hour)))
-    unknown = set(trace) - {"mtbf_steps", "recovery_steps"}
-    if unknown or not {"mtbf_steps", "recovery_steps"} <= set(trace):
-        raise ValueError(f'{where} needs "mtbf_steps" and "recovery_steps" (or "scenario" + "steps_per_hour"); got {sorted(trace)}')
-    m, r = trace["mtbf_steps"], trace["recovery_steps"]
-    if isinstance(m, bool) or not isinstance(m, (int, float)) or m <= 0:
-        raise ValueError(f"{where}: mtbf_steps must be > 0, got {m!r}")
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ValueError(f"{where}: recovery_steps must be an integer >= 1, got {r!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"{where}: seed must be an integer, got {seed!r}")
-    return {"mtbf_steps": float(m), "recovery_steps": r, "seed": seed}
+    check_rules(config.inject, world)
+    if config.trace is None:
+        return []
+    if model_parallel > 1:
+        raise ValueError('mecefo "trace" needs tensor and pipeline parallel size 1 (use "inject" rules / '
+                         "--mecefo-inject with tensor or pipeline parallelism)")
+    if train_iters is None:
+        raise ValueError('mecefo "trace" needs the job\'s length (train_iters) to lay out the failures')
+    return job_trace(config.trace, world, train_iters, max_restarts)
 
 
 class FaultInjector:

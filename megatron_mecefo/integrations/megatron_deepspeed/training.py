@@ -59,9 +59,9 @@ def read_ds_config(args) -> Dict[str, Any]:
         return json.load(f)
 
 
-def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, world: int) -> None:
+def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, job: LaunchEnv) -> None:
     """Refuse, before anything starts, what MeCeFO cannot run in Megatron-DeepSpeed (ValueError)."""
-    from megatron_mecefo.elastic.inject import check_rules
+    from megatron_mecefo.elastic.inject import check_job
 
     refuse([
         (not args.deepspeed, "--mecefo needs --deepspeed (Megatron's own optimizer and DDP are not supported)"),
@@ -86,7 +86,8 @@ def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, world: int) -
          "--mecefo does not support a virtual pipeline (--num-layers-per-virtual-pipeline-stage)"),
     ] + shared_refusals(args))
     cfg.check_ds_config(ds_config)
-    check_rules(cfg.inject, world)
+    check_job(cfg, job.world, model_parallel=args.tensor_model_parallel_size * args.pipeline_model_parallel_size,
+              train_iters=args.train_iters, max_restarts=cfg.restarts(job))
 
 
 # -- init -----------------------------------------------------------------------------------------
@@ -105,7 +106,7 @@ def wrap_initialize_distributed(original: Callable) -> Callable:
             if not cfg.enable:
                 return original(*a, **kw)
             job = LaunchEnv.read()
-            check_args(args, ds_config, cfg, job.world)
+            check_args(args, ds_config, cfg, job)
         from megatron_mecefo.deepspeed_hook.engine import skip_cpu_shm_build
 
         skip_cpu_shm_build()

@@ -57,9 +57,9 @@ SPEC = ["megatron_mecefo.layers.specs", "mecefo_gpt_layer_spec"]
 STATE = State()
 
 
-def check_args(args, cfg: MeCeFOConfig, world: int) -> None:
+def check_args(args, cfg: MeCeFOConfig, job: LaunchEnv) -> None:
     """Refuse, before anything starts, what MeCeFO cannot run in Megatron-LM (ValueError)."""
-    from megatron_mecefo.elastic.inject import check_rules
+    from megatron_mecefo.elastic.inject import check_job
 
     spec = list(args.spec) if args.spec else None
     refuse(shared_refusals(args) + [
@@ -91,7 +91,8 @@ def check_args(args, cfg: MeCeFOConfig, world: int) -> None:
         (bool(getattr(args, "mtp_num_layers", None)), "--mecefo does not support multi-token prediction"),
         (bool(getattr(args, "perform_rl_step", False)), "--mecefo does not support RL training"),
     ])
-    check_rules(cfg.inject, world)
+    check_job(cfg, job.world, model_parallel=args.tensor_model_parallel_size * args.pipeline_model_parallel_size,
+              train_iters=args.train_iters, max_restarts=cfg.restarts(job))
 
 
 # -- init -----------------------------------------------------------------------------------------
@@ -109,7 +110,7 @@ def wrap_initialize_distributed(original: Callable) -> Callable:
             if not cfg.enable:
                 return original(*a, **kw)
             job = LaunchEnv.read()
-            check_args(args, cfg, job.world)
+            check_args(args, cfg, job)
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             torch.cuda.set_device(args.local_rank)  # upstream sets it only when it initialises itself
         # the replica's tensor-parallel groups carry training collectives: a hung mate is noticed
@@ -197,7 +198,7 @@ def _no_fp32_copies(active: bool):
     """`--bf16` with the sharded state: upstream builds its FP32Optimizer over the bf16 parameters
     (as its layer-wise optimizer does, optimizer/muon.py) instead of a mixed-precision wrapper with
     fp32 copies of every parameter on every rank; the sharded state keeps the fp32 masters of its
-    held ranges only (elastic/zero.py; step.py's `_bf16_parameters`)."""
+    held ranges only (elastic/zero.py; optimizer.py's `bf16_parameters`)."""
     import megatron.training.training as training
 
     build = training.get_megatron_optimizer
