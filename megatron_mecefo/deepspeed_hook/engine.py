@@ -41,7 +41,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import time
 from typing import Any, Dict, Iterator, Optional
 
 import torch
@@ -49,7 +48,6 @@ import torch
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.deepspeed_hook.checkpoint import load_checkpoint, restrict_checkpoint_loading, save_checkpoint
 from megatron_mecefo.elastic.bootstrap import init_distributed, param_digest, replica_groups_time_out
-from megatron_mecefo.elastic.buckets import GradBuckets
 from megatron_mecefo.elastic.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver, training_state
@@ -168,12 +166,12 @@ class MeCeFOEngine(DrivenHost):
         self._done = 0
         self._loss_sum = 0.0
         self._step_kwargs: Dict[str, Any] = {}
-        self.buckets: Optional[GradBuckets] = None
+        self.buckets = None
         """The reduction overlapped with the last micro-batch's backward (ds_config
         "zero_optimization.overlap_comm"; data parallelism only: with T or P > 1 Megatron-Core's
         schedule runs the backward), or None."""
         if overlap_bucket is not None and runtime.grid.tp * runtime.grid.pp == 1 and not self.pipeline:
-            self.buckets = GradBuckets(engine.module.parameters(), runtime, bucket_numel=overlap_bucket)
+            self.buckets = self.driver.reduction.bucket_parameters(engine.module.parameters(), overlap_bucket)
         elif overlap_bucket is not None and runtime.rank == 0:
             logger.warning('ds_config "zero_optimization.overlap_comm": MeCeFO overlaps the reduction with data '
                            "parallelism only; with tensor or pipeline parallelism it runs after the backward")
@@ -309,13 +307,7 @@ class MeCeFOEngine(DrivenHost):
 
     def _finish(self, loss_sum: float, ran: int, **step_kwargs) -> bool:
         self._step_kwargs = step_kwargs
-        reduced = self.buckets is not None and self.buckets.armed
-        if reduced:
-            t0 = time.monotonic()
-            self.buckets.finish()  # a failed bucket is latched by the runtime: the step fails below
-            self.driver.record_extra.update(overlapped_buckets=self.buckets.early,
-                                            exposed_reduce_s=round(time.monotonic() - t0, 6))
-        return self.driver.finish(loss_sum=loss_sum, loss_count=ran, micro_batches=ran, reduced=reduced)
+        return self.driver.finish(loss_sum=loss_sum, loss_count=ran, micro_batches=ran)
 
     def _optimizer_step(self):
         if self.pipeline:  # DeepSpeed's OptimizerStep instruction (its step() refuses in pipeline mode)

@@ -6,7 +6,7 @@
         rt.begin_step(step)
         plan = rt.plan()                     # my micro-batches (+ adopted ones), covering flags
         for mb in plan.micro_batches: forward/backward (covering mode where mb.covering)
-        stats = rt.reduce_gradients(params, stats=[loss_sum, n_samples])
+        stats = reduction.reduce(params, stats=[loss_sum, n_samples])   # reduction.Reduction(rt)
         if rt.commit():                      # the single agreement point of the step
             optimizer.step(); step += 1
         # else: a peer failed; the survivors regrouped; redo the same step (gradients are zeroed)
@@ -32,9 +32,7 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
-
-import torch
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.elastic import groups
@@ -42,8 +40,6 @@ from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.elastic.budget import CoveringBudget
 from megatron_mecefo.elastic.fold import Fold, FoldPolicy, fold_neighbor
 from megatron_mecefo.elastic.give_up import write_checkpoint
-from megatron_mecefo.elastic.gradients import divisor_scale, reduce_with_divisors
-from megatron_mecefo.elastic.shard_grads import reduce_scatter_with_divisors
 from megatron_mecefo.elastic.inject import FaultInjector, check_rules, job_trace
 from megatron_mecefo.elastic.membership import Agreement, Membership, OrphanWatch
 from megatron_mecefo.elastic.replica import mark_started
@@ -175,6 +171,7 @@ class ElasticRuntime:
         self.step = 0
         self._t_start = time.monotonic()
         self._ran: Optional[int] = None  # micro-batches the members reported running this step
+        self._counted = False  # this step's statistics carry the micro-batch count
         self._error: Optional[BaseException] = None
         self._error_time: Optional[float] = None
         self._error_wall: Optional[float] = None  # wall clock of the first error, for the event log
@@ -375,96 +372,47 @@ class ElasticRuntime:
             self._error, self._error_time, self._error_wall = error, time.monotonic(), time.time()
             self.log.warning("peer failure detected: %s", str(error).splitlines()[0][:200])
 
-    def launch_reduction(self, tensor: torch.Tensor):
-        """Launch the SUM all-reduce of a gradient bucket over the members, during the backward
-        (overlapped reduction); returns its work for `wait_reductions`, or None when the step has
-        already failed. The bucket holds summed gradients; `reduce_gradients(..., reduced=True)`
-        applies the divisors once every bucket is in."""
-        if self._error is not None:
-            return None
-        self.injector.maybe_fire(self.step, "allreduce")
-        try:
-            return groups.allreduce_sum_async_(self.group, tensor)
-        except Exception as e:  # gloo: the connection to a peer is gone
-            self.report_error(e)
-            return None
+    # -- what the step's reduction (reduction.py) uses -------------------------------------------
 
-    def wait_reductions(self, works: Sequence[Any]) -> bool:
-        """Wait for launched bucket reductions (abandoned as soon as a peer declared the step
-        failed). Returns False when one failed: the error is latched and the step fails."""
-        for work in works:
-            if self._error is not None:
-                return False
-            if work is None:
-                continue
-            try:
-                groups.wait_(work, self._step_aborted)
-            except Exception as e:
-                self.report_error(e)
-                return False
-        return self._error is None
+    @property
+    def failed(self) -> bool:
+        """A failure was latched in this step: its remaining collectives are skipped."""
+        return self._error is not None
 
-    def reduce_gradients(self, params: Iterable[torch.nn.Parameter], stats: Sequence[float] = (),
-                         micro_batches: Optional[int] = None, attr: str = "grad",
-                         reduced: bool = False) -> List[float]:
-        """All-reduce (SUM) the gradients of `params` over the members and apply MeCeFO's divisors.
+    @property
+    def fold(self) -> Fold:
+        """The current generation's fold (its divisors)."""
+        return self._fold
 
-        Every rank must have SUMMED the gradients of its micro-batches (no averaging). `stats` are
-        summed along (e.g. loss sum, sample count) and returned; zeros if the step failed.
-        `micro_batches`: how many micro-batches this rank really ran this step; summed along, and
-        `commit()` refuses a step whose members did not run the whole global batch (dp x k).
-        `attr`: where the gradient is: "grad", or "main_grad" (Megatron's DDP gradient buffers,
-        reduced in place so the buffers stay what its optimizer reads).
-        With a sharded optimizer state over these parameters the gradients are reduce-scattered
-        instead (shard_grads.py): each rank gets the ranges it holds, zeros elsewhere.
-        `reduced`: the gradients were all-reduced in buckets during the backward (launch_reduction,
-        wait_reductions); only the statistics are reduced here, and the divisors applied.
-        """
-        params = [p for p in params if p.requires_grad]
-        if self._error is not None:
-            return [0.0] * len(stats)
-        if not reduced:
-            self.injector.maybe_fire(self.step, "allreduce")
-        extra = list(stats) + ([float(micro_batches)] if micro_batches is not None else [])
-        fold = self._fold
-        # with the covering budget each covering rank chooses its own modes: the attention divisor
-        # is the members' summed count of exact-attention micro-batches, the last statistic
-        budget = self._budget is not None
-        if budget:
+    @property
+    def modes_chosen_by_ranks(self) -> bool:
+        """With the covering budget each covering rank picks its own modes: the attention divisor
+        is then the members' summed count of exact-attention micro-batches (`step_statistics`)."""
+        return self._budget is not None
+
+    def fire(self, phase: str) -> None:
+        """An injection point of the current step."""
+        self.injector.maybe_fire(self.step, phase)
+
+    def step_statistics(self, micro_batches: Optional[int]) -> List[float]:
+        """What the runtime needs summed with the step's statistics: the micro-batches this rank
+        ran (the commit checks the whole global batch ran) and, with the covering budget, its count
+        of exact-attention micro-batches (last; it also learns this step's time here)."""
+        out = [float(micro_batches)] if micro_batches is not None else []
+        self._counted = micro_batches is not None
+        if self._budget is not None:
             self._observe_step_time()
-            extra.append(float(self._exact_attention_count()))
-        mha = None if budget else fold.divisor_mha
-
-        def scale(p, summed):
-            return divisor_scale(p, fold.divisor, int(round(summed[-1])) if budget else fold.divisor_mha)
-
-        try:
-            if reduced:
-                if self.sharding is not None:
-                    self.sharding.grad_sq = None
-                out = reduce_with_divisors(self.group, [], extra, divisor=fold.divisor, divisor_mha=mha,
-                                           attr=attr, should_abort=self._step_aborted)
-                with torch.no_grad():
-                    for p in params:
-                        g = getattr(p, attr, None)
-                        if g is not None:
-                            g.mul_(scale(p, out))
-            elif self.sharding is not None and self.sharding.reduces(params):  # each rank's range only
-                out = reduce_scatter_with_divisors(self.sharding, self.group, extra, attr=attr,
-                                                   should_abort=self._step_aborted, scale=scale)
-            else:
-                if self.sharding is not None:
-                    self.sharding.grad_sq = None
-                out = reduce_with_divisors(self.group, params, extra, divisor=fold.divisor,
-                                           divisor_mha=mha, attr=attr, should_abort=self._step_aborted)
-        except Exception as e:  # gloo: connection closed / timed out; or a peer gave up first
-            self.report_error(e)
-            return [0.0] * len(stats)
-        if budget:
-            self.last_divisor_mha = int(round(out.pop()))
-        if micro_batches is not None:
-            self._ran = int(round(out.pop()))
+            out.append(float(self._exact_attention_count()))
         return out
+
+    def take_statistics(self, summed: List[float]) -> List[float]:
+        """The summed `step_statistics` taken off the end of `summed`; returns the rest."""
+        summed = list(summed)
+        if self._budget is not None:
+            self.last_divisor_mha = int(round(summed.pop()))
+        if self._counted:
+            self._ran = int(round(summed.pop()))
+        return summed
 
     def _observe_step_time(self) -> None:
         """Feed the covering budget this step's compute time (its start to its reduction)."""
@@ -472,7 +420,8 @@ class ElasticRuntime:
         exact = sum(1 for m in ran if not m.covering)
         self._budget.observe(exact, len(ran) - exact, time.monotonic() - self._t_step)
 
-    def _step_aborted(self) -> bool:
+    def step_aborted(self) -> bool:
+        """A member declared this step failed (polled while waiting on a collective)."""
         return self.store.check([f"gen{self.generation}/step{self.step}/decision"])
 
     def commit(self, **record: Any) -> bool:

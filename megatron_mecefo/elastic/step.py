@@ -10,7 +10,7 @@ Every host (the DeepSpeed engine wrapper, Megatron-DeepSpeed's `train_step`, Meg
         driver.backward_point(out)        # "backward" injection inside this micro-batch's backward
         ...backward...
     driver.finish(loss_sum=..., loss_count=..., micro_batches=n, averaged_over=a)
-        # gradients back to sums, reduced across replicas with MeCeFO's divisors, the job's commit;
+        # gradients reduced across replicas with MeCeFO's divisors (reduction.py), the job's commit;
         # then, only on a committed step, the host's optimizer step ("optimizer" injection first);
         # otherwise the gradients are zeroed and the step is redone by the new generation
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, TypeVar
 
 import torch
@@ -36,6 +35,7 @@ from megatron_mecefo.approx.projector import observe_gradients
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic.bootstrap import param_digest
 from megatron_mecefo.elastic.fold import MicroBatch, micro_batch_policy
+from megatron_mecefo.elastic.reduction import Reduction
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.rng import rng_state, set_rng_state
 
@@ -110,6 +110,8 @@ class StepDriver:
         self._observed = False
         self.record_extra: Dict[str, Any] = {}
         """Extra fields for this step's record in steps_rank{R}.jsonl."""
+        self.reduction = Reduction(runtime, sharding=runtime.sharding)
+        """The step's reduction across replicas; a host that overlaps it plugs its buckets in here."""
 
     @property
     def step(self) -> int:
@@ -122,7 +124,7 @@ class StepDriver:
         self.runtime.begin_step(step)
         self.plan = self.runtime.plan()
         self.optimizer_result = None
-        self.record_extra.pop("exposed_reduce_s", None)  # this pass's
+        self.reduction.record.clear()  # this pass's
         if self.cfg.log_param_hash:  # replicas must be bit-identical at the start of every step
             self.record_extra["param_sha256"] = param_digest(self.host.module)
         return self.plan
@@ -135,7 +137,7 @@ class StepDriver:
 
     def fire(self, phase: str) -> None:
         """An injection point of the step (forward | backward | optimizer)."""
-        self.runtime.injector.maybe_fire(self.runtime.step, phase)
+        self.runtime.fire(phase)
 
     @contextlib.contextmanager
     def forward(self, mb: MicroBatch, module: Optional[torch.nn.Module] = None) -> Iterator[None]:
@@ -150,15 +152,14 @@ class StepDriver:
         if isinstance(output, (tuple, list)):
             output = next((t for t in output if isinstance(t, torch.Tensor) and t.requires_grad), None)
         if isinstance(output, torch.Tensor) and output.requires_grad:
-            step, injector = self.runtime.step, self.runtime.injector
-            output.register_hook(lambda grad: injector.maybe_fire(step, "backward"))
+            fire = self.runtime.fire
+            output.register_hook(lambda grad: fire("backward"))
 
     def replica_collectives(self):
         """The block's collectives inside this rank's replica retire the replica when they fail."""
         return self.runtime.replica_collectives(self.runtime.step)
 
-    def finish(self, *, loss_sum: float, loss_count: float, micro_batches: int, averaged_over: int = 1,
-               reduced: bool = False) -> bool:
+    def finish(self, *, loss_sum: float, loss_count: float, micro_batches: int, averaged_over: int = 1) -> bool:
         """The step's end, after the plan's micro-batches: reduce, agree, and (committed) step.
 
         Args:
@@ -168,29 +169,19 @@ class StepDriver:
                 members did not run the whole global batch).
             averaged_over: the host's schedule divided each micro-batch's gradient by this many
                 (Megatron's schedules: the number of micro-batches); 1 when gradients are sums.
-            reduced: the host all-reduced the gradients (made sums again) in buckets during the
-                backward (runtime.launch_reduction / wait_reductions): only the divisors remain.
+                Buckets reduced during the backward were given theirs when armed.
 
         Returns:
             True when the optimizer step was taken; False: a peer failed and the step is redone.
         """
         plan = self.plan
-        params = [p for p in self.host.parameters() if p.requires_grad]
-        if averaged_over != 1 and not reduced:
-            for p in params:
-                grad = getattr(p, self.host.grad_attr, None)
-                if grad is not None:
-                    grad.mul_(averaged_over)  # the runtime's divisors expect sums
-        t0 = time.monotonic()
-        total_loss, total_count, samples = self.runtime.reduce_gradients(
-            params, stats=[loss_sum, loss_count, micro_batches * self.micro_batch_size], micro_batches=micro_batches,
-            attr=self.host.grad_attr, reduced=reduced)
-        # the reduction the backward did not hide (with overlap: what the host waited, plus this)
-        self.record_extra["exposed_reduce_s"] = round(self.record_extra.get("exposed_reduce_s", 0.0)
-                                                      + time.monotonic() - t0, 6)
+        total_loss, total_count, samples = self.reduction.reduce(
+            self.host.parameters(), stats=[loss_sum, loss_count, micro_batches * self.micro_batch_size],
+            micro_batches=micro_batches, attr=self.host.grad_attr, averaged_over=averaged_over)
         loss = total_loss / total_count if total_count else None
         self.plan = None
-        committed = self.runtime.commit(loss=loss, samples=int(samples), lr=self.host.lr(), **self.record_extra)
+        committed = self.runtime.commit(loss=loss, samples=int(samples), lr=self.host.lr(), **self.record_extra,
+                                        **self.reduction.record)
         self.last_committed = committed
         if not committed:
             self.host.zero_grad()
@@ -208,7 +199,7 @@ class StepDriver:
             with self.runtime.replica_collectives(plan.step):
                 self.host.before_optimizer()
         self.optimizer_result = self.host.optimizer_step()
-        sharded = self.runtime.sharding
+        sharded = self.reduction.sharding
         if sharded is not None and sharded.gather_error is not None:  # a peer died after the commit
             self.runtime.regroup_after_commit(sharded.gather_error)
         return True

@@ -97,6 +97,7 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     if args.reference:
         return reference(args)
+    from megatron_mecefo.elastic.reduction import Reduction
     from megatron_mecefo.elastic.runtime import ElasticRuntime
 
     from megatron_mecefo.config import LaunchEnv
@@ -125,6 +126,7 @@ def main():
                         sharding=sharded,
                         state=(lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
                                lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"]))))
+    reduction = Reduction(rt, sharding=sharded)
     step = 0
 
     def train():  # run_to_exit maps how it ends to the launchers' exit codes, as the examples do
@@ -139,17 +141,17 @@ def main():
             skip = args.skip_micro_batch == f"{rank}:{step}"
             for mb in plan.micro_batches[:-1] if skip else plan.micro_batches:
                 ids = sample_range(step, mb.replica, mb.index, micro_batch_size=args.mb, dp=world, k=args.k)
-                rt.injector.maybe_fire(step, "forward")
+                rt.fire("forward")
                 loss = micro_batch_loss(model, ids)
-                rt.injector.maybe_fire(step, "backward")
+                rt.fire("backward")
                 loss.backward()
                 time.sleep(args.step_sleep)
                 loss_sum += loss.item()
                 samples += len(ids)
-            total_loss, total_samples = rt.reduce_gradients(model.parameters(), stats=[loss_sum, samples],
-                                                            micro_batches=len(plan.micro_batches) - skip)
+            total_loss, total_samples = reduction.reduce(model.parameters(), stats=[loss_sum, samples],
+                                                         micro_batches=len(plan.micro_batches) - skip)
             if rt.commit(loss=total_loss / plan.divisor, samples=int(total_samples), param_sha256=digest):
-                rt.injector.maybe_fire(step, "optimizer")
+                rt.fire("optimizer")
                 opt.step()
                 step += 1
                 if sharded is not None and sharded.gather_error is not None:  # a peer died after the commit

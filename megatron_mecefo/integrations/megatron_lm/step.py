@@ -10,14 +10,13 @@
   step with the survivors' new plan.
 
 Megatron's schedule divides each micro-batch's loss by the number of micro-batches it runs; the
-driver multiplies the buffers back to sums before the runtime divides by the global counts. The
+step's reduction (elastic/reduction.py) restores the sums before it divides by the global counts. The
 sequence itself (plan, covering, injection, reduction, commit, redo) is elastic/step.py's.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -96,7 +95,7 @@ class Step(DrivenHost):
         out = cls(StepDriver(runtime, cfg, host, micro_batch_size=micro_batch_size))  # the schedule runs them one at a time
         out.sharded = shards
         if overlap:
-            out.overlap = _Overlap(model, runtime)
+            out.overlap = _Overlap(model, out.driver.reduction)
         return out
 
     # -- the step ---------------------------------------------------------------------------------
@@ -114,8 +113,8 @@ class Step(DrivenHost):
 
         def one_pass(plan: StepPlan):
             self._reports = []
-            if self.overlap is not None:
-                self.overlap.reset(len(plan.micro_batches))
+            if self.overlap is not None:  # upstream's schedule averages over the plan's micro-batches
+                self.overlap.buckets.arm(averaged_over=len(plan.micro_batches))
             if len(model) > 1:  # virtual stages: an iterator per model chunk, as upstream's train() has
                 data = [batches(plan) for _ in model]
                 data = [RerunDataIterator(d) if d is not None else None for d in data]
@@ -174,76 +173,35 @@ class Step(DrivenHost):
             else:  # a micro-batch's mean loss
                 loss_sum, tokens = loss_sum + float(value[0]), tokens + 1
         # the schedule averaged over the plan's n micro-batches
-        if self.overlap is not None:
-            self.driver.record_extra["overlapped_buckets"] = self.overlap.early
-            self.driver.record_extra["exposed_reduce_s"] = round(self.overlap.waited_s, 6)
-        return self.driver.finish(loss_sum=loss_sum, loss_count=tokens, micro_batches=n, averaged_over=n,
-                                  reduced=self.overlap is not None)
+        return self.driver.finish(loss_sum=loss_sum, loss_count=tokens, micro_batches=n, averaged_over=n)
 
 
 class _Overlap:
     """`--overlap-grad-reduce`: upstream's DDP bucket groups decide when a bucket's gradients are
     final (their hooks in the backward of the step's last micro-batch, counted as upstream counts
-    them); their grad sync becomes the runtime's cross-replica all-reduce of the bucket, launched
-    then, instead of upstream's over the replica's data-parallel group (size 1). A bucket whose
-    hooks do not all fire (a covering micro-batch skips the attention backward; the first step,
-    before upstream knows its counts) is launched when upstream waits for it at the end of the
-    backward. Bucket groups launch in one fixed order on every rank (the last model chunk's first,
-    each chunk's in upstream's order, which is the backward's): a complete group waits for the ones
-    before it, since a covering rank completes them in another order than an exact one and every
-    member must issue the same collectives in the same order. A failed bucket fails the step like
-    any failed reduction (the runtime latches it)."""
+    them); their grad sync becomes the step's in-order bucket reduction across replicas
+    (reduction.InOrderBuckets) instead of upstream's over the replica's data-parallel group (size 1).
+    A group whose hooks do not all fire (a covering micro-batch skips the attention backward; the
+    first step, before upstream knows its counts) is launched when upstream waits for it at the end
+    of the backward. The order: the last model chunk's groups first, each chunk's in upstream's
+    order (the backward's)."""
 
-    def __init__(self, model, runtime) -> None:
-        self.runtime = runtime
-        self.order: list = []
-        self.works: dict = {}
-        self.ready: set = set()
-        self.scale = 1
-        self.early = 0
-        """Bucket groups launched by upstream's hooks during the backward (the rest at its end)."""
-        self.waited_s = 0.0
-        """Time spent waiting for the buckets at the end of the backward (the exposed reduction)."""
-        for chunk in reversed(list(model)):
-            for group in list(chunk.bucket_groups) + list(getattr(chunk, "expert_parallel_bucket_groups", [])):
-                group.start_grad_sync = functools.partial(self.start, group)
-                group.finish_grad_sync = functools.partial(self.finish, group)
-                self.order.append(group)
+    def __init__(self, model, reduction) -> None:
+        self.order = [group for chunk in reversed(list(model))
+                      for group in list(chunk.bucket_groups) + list(getattr(chunk, "expert_parallel_bucket_groups", []))]
         self.index = {id(g): i for i, g in enumerate(self.order)}
-
-    def reset(self, micro_batches: int) -> None:
-        """A new pass of the step: upstream's schedule averages over `micro_batches`."""
-        self.works, self.ready, self.scale, self.early, self.waited_s = {}, set(), micro_batches, 0, 0.0
+        self.buckets = reduction.bucket_units(lambda i: [b.grad_data for b in self.order[i].buckets], len(self.order))
+        for group in self.order:
+            group.start_grad_sync = functools.partial(self.start, group)
+            group.finish_grad_sync = functools.partial(self.finish, group)
 
     def start(self, group, force_all_reduce: bool = False) -> None:
         """Upstream's hooks found the group complete during the backward."""
-        self.ready.add(id(group))
-        self._launch_upto(len(self.order), early=True)
-
-    def _launch_upto(self, end: int, early: bool = False) -> None:
-        """Launch, in order, the groups before `end` (early: only while they are complete)."""
-        for group in self.order[:end]:
-            if id(group) in self.works:
-                continue
-            if early and id(group) not in self.ready:
-                return
-            self._launch(group)
-            self.early += early
-
-    def _launch(self, group) -> None:
-        works = []
-        for bucket in group.buckets:
-            if self.scale != 1:
-                bucket.grad_data.mul_(self.scale)  # sums again, as the runtime's divisors expect
-            works.append(self.runtime.launch_reduction(bucket.grad_data))
-        self.works[id(group)] = works
+        self.buckets.ready(self.index[id(group)])
 
     def finish(self, group, force_all_reduce: bool = False) -> None:
         group.param_gather_dispatched = False  # as upstream's finish_grad_sync
-        self._launch_upto(self.index[id(group)] + 1)
-        t0 = time.monotonic()
-        self.runtime.wait_reductions(self.works[id(group)])
-        self.waited_s += time.monotonic() - t0
+        self.buckets.wait(self.index[id(group)])
 
 
 class _Gate:
