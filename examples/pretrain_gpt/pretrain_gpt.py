@@ -284,8 +284,11 @@ def main(argv=None):
     else:
         import deepspeed
 
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # avoid a 35 s JIT build on CPU
-        deepspeed.init_distributed("gloo" if not torch.cuda.is_available() else "nccl")
+        from megatron_mecefo.deepspeed_hook.engine import skip_cpu_shm_build
+        from megatron_mecefo.elastic.groups import default_backend
+
+        skip_cpu_shm_build()
+        deepspeed.init_distributed(default_backend())
     prefix = args.data_path or stdlib_corpus()
     gbs, k = ds_config["train_batch_size"], ds_config["gradient_accumulation_steps"]
     train, valid = build_gpt_datasets(prefix, seq_length=args.seq_length, split=args.split, seed=args.seed,
@@ -325,13 +328,7 @@ def main(argv=None):
     lead_replica = lambda: min(rt.cover_map().live) if rt else 0  # noqa: E731
     is_logger = lambda: env.rank == grid.rank(0, pp - 1, lead_replica())  # noqa: E731
     if rt is not None and is_logger() and not rt.rejoined:
-        print(f" mecefo: job {rt.job_id} | {engine.recompute_note} | starting at iteration {engine.global_steps}", flush=True)
-        if engine.sharded is not None:
-            z = engine.sharded
-            print(f" mecefo: optimizer state sharded over {len(z.layout.live)} replicas (shard_redundancy="
-                  f"{mecefo.shard_redundancy}): {z.nbytes() / 2**20:.2f} MiB on this rank, replicated "
-                  f"{z.replicated_nbytes() / 2**20:.2f} MiB ({z.numel:,} parameters, "
-                  f"{'fp32 masters in the shards' if z.masters else 'fp32'})", flush=True)
+        print(engine.driver.banner(engine.global_steps), flush=True)
     t_last, losses = time.monotonic(), []
     batch_of = lambda it, replica, index: collate(train, sample_range(  # noqa: E731
         it, replica, index, micro_batch_size=args.micro_batch_size, dp=dp, k=k))

@@ -49,11 +49,13 @@ from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.deepspeed_hook.checkpoint import load_checkpoint, restrict_checkpoint_loading, save_checkpoint
 from megatron_mecefo.elastic.bootstrap import init_distributed, param_digest, replica_groups_time_out
 from megatron_mecefo.elastic.fold import MicroBatch
-from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
+from megatron_mecefo.elastic.attach import attach
+from megatron_mecefo.elastic.groups import default_backend
+from megatron_mecefo.elastic.runtime import StateHooks, StepPlan
 from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver, training_state
 from megatron_mecefo.elastic.zero import ShardedOptimizer, innermost_optimizer
 
-__all__ = ["initialize", "attach_runtime", "MeCeFOEngine", "init_distributed", "param_digest", "save_checkpoint",
+__all__ = ["initialize", "wrap_engine", "MeCeFOEngine", "init_distributed", "param_digest", "save_checkpoint",
            "load_checkpoint"]
 
 logger = logging.getLogger(__name__)
@@ -141,22 +143,21 @@ class MeCeFOEngine(DrivenHost):
     `backward`, `step` (and `train_step` for Megatron's schedules) translate into the driver's
     forward / finish; everything else is the DeepSpeed engine's."""
 
-    def __init__(self, engine, runtime: ElasticRuntime, cfg: MeCeFOConfig, micro_batch_size: int,
-                 clip_grad: float = 0.0, overlap_bucket: Optional[int] = None) -> None:
+    def __init__(self, engine, *, micro_batch_size: int, model_parallel: int = 1, clip_grad: float = 0.0,
+                 sharded: Optional[ShardedOptimizer] = None) -> None:
         self.engine = engine
         self.clip_grad = clip_grad
         """With tensor or pipeline parallelism, or a sharded optimizer state, the engine clips
         (schedule.clip_grad_norm), not DeepSpeed (engine_clipping)."""
-        self.sharded: Optional[ShardedOptimizer] = runtime.sharding
+        self.sharded = sharded
         """The sharded optimizer state (ds_config zero stage 1), or None."""
-        clips = (runtime.grid.tp * runtime.grid.pp > 1 and clip_grad > 0) or self.sharded is not None
-        host = Host(module=engine.module, parameters=engine.module.parameters, optimizer_step=self._optimizer_step,
-                    zero_grad=engine.zero_grad, lr=self._lr, before_optimizer=self._clip if clips else None)
-        # micro-batches run one at a time here: recompute_ffn="auto" resolves to off
-        self.driver = StepDriver(runtime, cfg, host, micro_batch_size=micro_batch_size)
-        self.runtime = runtime
         self.micro_batch_size = micro_batch_size
-        self.recompute_note = self.driver.recompute_note
+        self.model_parallel = model_parallel
+        clips = (model_parallel > 1 and clip_grad > 0) or sharded is not None
+        self.host = Host(module=engine.module, parameters=engine.module.parameters, optimizer_step=self._optimizer_step,
+                         zero_grad=engine.zero_grad, lr=self._lr, before_optimizer=self._clip if clips else None)
+        """The engine as the step driver's host (micro-batches run one at a time here:
+        recompute_ffn="auto" resolves to off)."""
         self.engine.enable_backward_allreduce = False  # the runtime reduces across replicas
         self.pipeline = _is_pipeline_engine(engine)
         """DeepSpeed's pipeline engine (a PipelineModule): steps run through `train_batch`."""
@@ -170,11 +171,17 @@ class MeCeFOEngine(DrivenHost):
         """The reduction overlapped with the last micro-batch's backward (ds_config
         "zero_optimization.overlap_comm"; data parallelism only: with T or P > 1 Megatron-Core's
         schedule runs the backward), or None."""
-        if overlap_bucket is not None and runtime.grid.tp * runtime.grid.pp == 1 and not self.pipeline:
-            self.buckets = self.driver.reduction.bucket_parameters(engine.module.parameters(), overlap_bucket)
-        elif overlap_bucket is not None and runtime.rank == 0:
+
+    def join(self, driver: StepDriver, overlap_bucket: Optional[int] = None) -> "MeCeFOEngine":
+        """Drive this engine's steps with `driver` (elastic.attach); with `overlap_bucket`, the
+        reduction runs in buckets of that many elements during the last micro-batch's backward."""
+        self.driver, self.runtime, self.recompute_note = driver, driver.runtime, driver.recompute_note
+        if overlap_bucket is not None and self.model_parallel == 1 and not self.pipeline:
+            self.buckets = driver.reduction.bucket_parameters(self.engine.module.parameters(), overlap_bucket)
+        elif overlap_bucket is not None and driver.runtime.rank == 0:
             logger.warning('ds_config "zero_optimization.overlap_comm": MeCeFO overlaps the reduction with data '
                            "parallelism only; with tensor or pipeline parallelism it runs after the backward")
+        return self
 
     # -- what to run ------------------------------------------------------------------------------
 
@@ -377,7 +384,7 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
         check_lowrank_rank(model, cfg.rank)
     if cfg.trace is not None and train_iters is None:
         raise ValueError('mecefo "trace" needs initialize(..., train_iters=N) to lay out the failures')
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = default_backend()
     from megatron.core import parallel_state
 
     tp = pp = 1
@@ -407,10 +414,10 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
     restrict_checkpoint_loading(engine)
     load = (lambda: load_checkpoint(engine, load_dir)) if load_dir is not None else None
     save = (lambda: save_checkpoint(engine, save_dir)) if save_dir is not None else None
-    return attach_runtime(engine, cfg, job, tensor_parallel=tp, pipeline_parallel=pp, micro_batches=k,
-                          micro_batch_size=mb, clip_grad=clip, backend=backend, train_iters=train_iters,
-                          save=save, load=load, save_dir=save_dir, load_dir=load_dir, sharded=sharded,
-                          overlap_bucket=overlap_bucket(config))
+    return wrap_engine(engine, cfg, job, tensor_parallel=tp, pipeline_parallel=pp, micro_batches=k,
+                       micro_batch_size=mb, clip_grad=clip, backend=backend, train_iters=train_iters,
+                       save=save, load=load, save_dir=save_dir, load_dir=load_dir, sharded=sharded,
+                       overlap_bucket=overlap_bucket(config))
 
 
 def engine_clipping(ds_config: Dict[str, Any], *, model_parallel: int, sharded: bool) -> float:
@@ -423,18 +430,19 @@ def engine_clipping(ds_config: Dict[str, Any], *, model_parallel: int, sharded: 
     return 0.0
 
 
-def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: int, pipeline_parallel: int,
-                   micro_batches: int, micro_batch_size: int, clip_grad: float = 0.0, backend: str = "gloo",
-                   train_iters: Optional[int] = None, save=None, load=None, extra_state=None,
-                   module_state=None, sharded: bool = False, save_dir: Optional[str] = None,
-                   load_dir: Optional[str] = None, overlap_bucket: Optional[int] = None) -> MeCeFOEngine:
-    """Join the job with a DeepSpeed engine built over this rank's replica: the runtime, its state
-    hooks (module, optimizer, scheduler, counters, RNG; what a rejoining rank receives) and the
-    give-up checkpoint, then `start()`. Shared by `initialize` and the integrations.
+def wrap_engine(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: int, pipeline_parallel: int,
+                micro_batches: int, micro_batch_size: int, clip_grad: float = 0.0, backend: Optional[str] = None,
+                train_iters: Optional[int] = None, save=None, load=None, extra_state=None,
+                module_state=None, sharded: bool = False, save_dir: Optional[str] = None,
+                load_dir: Optional[str] = None, overlap_bucket: Optional[int] = None) -> MeCeFOEngine:
+    """Join the job with a DeepSpeed engine built over this rank's replica (elastic.attach): its
+    state hooks (module, optimizer, scheduler, counters, RNG; what a rejoining rank receives), the
+    give-up checkpoint and, with `sharded`, its optimizer state sharded over the replicas. Shared
+    by `initialize` and Megatron-DeepSpeed's adapter.
 
     Args:
         save: () -> checkpoint path, written when the job gives up (None: no checkpoint).
-        load: () -> None, loads a checkpoint into the engine; called before the runtime starts by
+        load: () -> None, loads a checkpoint into the engine; called before the job is joined by
             first incarnations only (a restarted rank takes the live state from a peer instead).
         extra_state: (get, set) of more state a rejoining rank must receive (a training loop's
             counters); plain data only.
@@ -462,10 +470,9 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
     save_shards = None
     if shards is not None and save_dir is not None:
         save_shards = lambda: shards.save(os.path.join(save_dir, f"global_step{engine.global_steps}"))  # noqa: E731
-    runtime = ElasticRuntime.for_job(
-        cfg, job, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, micro_batches=micro_batches,
-        backend=backend, train_iters=train_iters, save_checkpoint=save, sharding=shards, save_shards=save_shards,
-        state=training_state((get_module, set_module), engine.optimizer, engine.lr_scheduler, (counters, set_counters)))
+    wrapper = MeCeFOEngine(engine, micro_batch_size=micro_batch_size, model_parallel=tensor_parallel * pipeline_parallel,
+                           clip_grad=clip_grad, sharded=shards)
+    load_shards = None
     if job.incarnation == 0:
         if load is not None:
             load()
@@ -474,11 +481,12 @@ def attach_runtime(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel
             # a sharded checkpoint's shard files; else the (replicated) state DeepSpeed loaded
             with open(latest) as f:
                 tag = os.path.join(load_dir, f.read().strip())
-            if shards.has_files(tag):
-                shards.load(tag)
-    step = runtime.start(engine.global_steps)
-    if step != engine.global_steps:
-        raise RuntimeError(f"runtime step {step} != engine step {engine.global_steps}")
+            load_shards = tag if shards.has_files(tag) else None
+    state = StateHooks(*training_state((get_module, set_module), engine.optimizer, engine.lr_scheduler,
+                                       (counters, set_counters)), save_checkpoint=save, save_shards=save_shards)
+    driver = attach(cfg, job, wrapper.host, micro_batches=micro_batches, micro_batch_size=micro_batch_size, state=state,
+                    current_step=lambda: engine.global_steps, tensor_parallel=tensor_parallel,
+                    pipeline_parallel=pipeline_parallel, sharding=shards, load_shards=load_shards,
+                    train_iters=train_iters, backend=backend)
     replica_groups_time_out(cfg.collective_timeout_s)  # DeepSpeed's and Megatron-DeepSpeed's groups too
-    return MeCeFOEngine(engine, runtime, cfg, micro_batch_size, clip_grad=clip_grad, overlap_bucket=overlap_bucket)
-
+    return wrapper.join(driver, overlap_bucket)

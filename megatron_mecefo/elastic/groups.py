@@ -29,6 +29,12 @@ __all__ = ["build_dp_group", "destroy_group", "dense_rank"]
 logger = logging.getLogger(__name__)
 
 
+def default_backend() -> str:
+    """The backend of the runtime's groups and of a rank's replica: NCCL on a CUDA machine (its
+    recovery path follows PyTorch's documented APIs, untested here), gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def dense_rank(members: Sequence[int], rank: int) -> int:
     """Position of `rank` among the sorted members: its rank inside the generation's group."""
     return sorted(members).index(rank)

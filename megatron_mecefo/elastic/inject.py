@@ -204,6 +204,8 @@ class FaultInjector:
         self.rank = rank
         self.incarnation = incarnation
         self.rules: List[dict] = []
+        self.trace: List[TraceEvent] = []
+        """The job's failure trace (config.trace), as laid out by `for_job`."""
         self.events = None  # an EventLog: the firing time is recorded before the signal
 
     def _add(self, kind: str, rank: int, step, phase: str, incarnation: int = 0) -> "FaultInjector":
@@ -231,6 +233,23 @@ class FaultInjector:
 
     def hang_at(self, rank: int, step, phase: str = "backward", incarnation: int = 0) -> "FaultInjector":
         return self._add("hang", rank, step, phase, incarnation)
+
+    @classmethod
+    def for_job(cls, config, job, *, model_parallel: int = 1, train_iters: Optional[int] = None) -> "FaultInjector":
+        """This rank's injector for `job` (a LaunchEnv): config.inject's rules, and config.trace laid
+        out over the job's `train_iters` steps (checked as `check_job` does; with restarts, the job
+        also waits at each rejoin step for the restarted rank).
+
+        Raises:
+            ValueError: naming the rule, the event or the setting.
+        """
+        trace = check_job(config, job.world, model_parallel=model_parallel, train_iters=train_iters,
+                          max_restarts=job.max_restarts)
+        out = cls.from_rules(config.inject, job.rank, job.incarnation)
+        if trace:
+            out.trace = trace
+            out.add_trace(trace, hold_until=train_iters if job.max_restarts else None)
+        return out
 
     @classmethod
     def from_rules(cls, rules: Iterable[Mapping], rank: int, incarnation: int = 0) -> "FaultInjector":

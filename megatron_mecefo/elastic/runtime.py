@@ -1,6 +1,6 @@
 """ElasticRuntime: the narrow protocol a training loop (or the DeepSpeed hook) drives each step.
 
-    rt = ElasticRuntime(cfg, rank=rank, world=world, store_host=..., store_port=..., micro_batches=k)
+    rt = ElasticRuntime(cfg, LaunchEnv.read(), micro_batches=k, state=StateHooks(get, set))
     step = rt.start()                        # first incarnation: 0; a restarted rank: where peers are
     while step < train_iters:
         rt.begin_step(step)
@@ -40,7 +40,7 @@ from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.elastic.budget import CoveringBudget
 from megatron_mecefo.elastic.fold import Fold, FoldPolicy, fold_neighbor
 from megatron_mecefo.elastic.give_up import write_checkpoint
-from megatron_mecefo.elastic.inject import FaultInjector, check_rules, job_trace
+from megatron_mecefo.elastic.inject import FaultInjector
 from megatron_mecefo.elastic.membership import Agreement, Membership, OrphanWatch
 from megatron_mecefo.elastic.replica import mark_started
 from megatron_mecefo.elastic.topology import CoverMap, Grid, ring_cover
@@ -49,7 +49,7 @@ from megatron_mecefo.errors import (RETIRED_EXIT_CODE, GaveUp, IncompleteStep, J
                                     NoCoverAvailable, NotAMember, ReplicaLost)
 from megatron_mecefo.log import EventLog, RankPrefix
 
-__all__ = ["ElasticRuntime", "StepPlan"]
+__all__ = ["ElasticRuntime", "StateHooks", "StepPlan"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,66 +76,60 @@ class StepPlan:
         return self.cover.degraded
 
 
+@dataclasses.dataclass(frozen=True)
+class StateHooks:
+    """What the runtime reads and writes of the host's training state."""
+
+    get: Optional[Callable[[], Any]] = None
+    """() -> the training state a rejoining rank receives (model, optimizer, scheduler, counters;
+    `step.training_state`); None: nothing but the step."""
+    set: Optional[Callable[[Any], None]] = None
+    """Loads what `get` returned, on the rejoining rank."""
+    save_checkpoint: Optional[Callable[[], str]] = None
+    """() -> path: writes a checkpoint of the last committed step when the job gives up (called on
+    one rank that holds the state); None: no checkpoint."""
+    save_shards: Optional[Callable[[], Any]] = None
+    """Writes this rank's shards of a sharded optimizer state into the give-up checkpoint (every
+    rank holding state calls it; `save_checkpoint` writes the rest)."""
+
+
 class ElasticRuntime:
     """Fault-tolerant data-parallel step protocol for one rank (see the module docstring).
 
     Args:
         config: MeCeFOConfig (timeouts, approximation switches, injection, log_dir).
-        rank, world: this rank's global rank and the original world size (T * P * D ranks).
+        job: this rank of the job (LaunchEnv, from `bootstrap.init_distributed`): its rank, the
+            original world (T * P * D ranks), the store (hosted outside the training ranks), the
+            job id (None: read from the store), the launcher's restarts and the incarnation (0 for
+            the first start; > 0 for a restarted rank, which rejoins).
         tensor_parallel, pipeline_parallel: T and P; ranks in Megatron's order (topology.Grid).
-        store_host, store_port: the job's store, hosted outside the training ranks.
-        job_id: the job's id from the launcher (MECEFO_JOB_ID); None: read from the store (under
-            another launcher, where rank 0's store daemon announces it).
-        max_restarts: how often the launcher restarts a failed rank (0: never; None: unknown); a
-            trace that needs more restarts is refused.
         micro_batches: k, micro-batches per replica per step (gradient accumulation).
-        incarnation: 0 for the first start; > 0 for a restarted rank (it rejoins).
-        fold_policy: (plan, k, approximate=, skip_attention=, attention_floor=) -> Fold.
-        backend: "gloo" (tested) or "nccl" (untested here).
-        state: (get, set) of the training state a rejoining rank receives (model, optimizer,
-            scheduler, counters; `step.training_state`); None: nothing but the step.
-        save_checkpoint: () -> path: writes a checkpoint of the last committed step when the job
-            gives up (called on one rank that holds the state); None: no checkpoint.
-        train_iters: the job's length; needed to lay out config.trace (the same on every rank).
+        state: the host's training state (StateHooks): what a rejoining rank receives, and the
+            give-up checkpoint; None: nothing but the step.
         sharding: the sharded optimizer (zero.ShardedOptimizer) re-sharded at every new generation;
             None: the optimizer state is replicated.
-        save_shards: () -> None: writes this rank's shards of the optimizer state into the give-up
-            checkpoint (every rank holding state calls it; `save_checkpoint` writes the rest).
+        injector: this rank's FaultInjector (`FaultInjector.for_job`, which lays out config.trace
+            over the job's length); None: config.inject's rules only (a trace then is refused).
+        fold_policy: (cover, k, approximate=, skip_attention=, attention_floor=) -> Fold.
+        backend: "gloo" (tested) or "nccl" (untested here).
 
     Raises:
         ValueError: injection rules or a trace that cannot run as written (naming the rule or event).
     """
 
-    def __init__(
-        self,
-        config: MeCeFOConfig,
-        *,
-        rank: int,
-        world: int,
-        tensor_parallel: int = 1,
-        pipeline_parallel: int = 1,
-        store_host: str,
-        store_port: int,
-        job_id: Optional[str] = None,
-        max_restarts: Optional[int] = None,
-        micro_batches: int = 1,
-        incarnation: int = 0,
-        fold_policy: FoldPolicy = fold_neighbor,
-        injector: Optional[FaultInjector] = None,
-        backend: str = "gloo",
-        state: Optional[tuple] = None,
-        save_checkpoint: Optional[Callable[[], str]] = None,
-        train_iters: Optional[int] = None,
-        sharding=None,
-        save_shards: Optional[Callable[[], Any]] = None,
-    ) -> None:
+    def __init__(self, config: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                 micro_batches: int = 1, state: Optional["StateHooks"] = None, sharding=None,
+                 injector: Optional[FaultInjector] = None, fold_policy: FoldPolicy = fold_neighbor,
+                 backend: str = "gloo") -> None:
+        rank, world, incarnation = job.rank, job.world, job.incarnation
         self.cfg = config
         self.rank, self.world = rank, world
-        check_rules(config.inject, world)  # bad input fails before the store is touched
-        self.max_restarts = max_restarts
         if world % (tensor_parallel * pipeline_parallel):
             raise ValueError(f"a world of {world} ranks is not divisible by tensor_parallel ({tensor_parallel}) x "
                              f"pipeline_parallel ({pipeline_parallel})")
+        # bad input fails before the store is touched
+        injector = injector or FaultInjector.for_job(config, job, model_parallel=tensor_parallel * pipeline_parallel)
+        self.max_restarts = job.max_restarts
         self.grid = Grid(tp=tensor_parallel, pp=pipeline_parallel, dp=world // (tensor_parallel * pipeline_parallel))
         if config.covering_budget is not None and self.grid.tp * self.grid.pp > 1:
             # every rank of a replica must run each micro-batch in the same mode, and each would
@@ -146,17 +140,17 @@ class ElasticRuntime:
             raise ValueError('mecefo "basis": "gradient" needs every weight\'s aggregated gradient on every rank; '
                              "a sharded optimizer (ZeRO stage 1, --use-distributed-optimizer) reduces each rank's "
                              'range only: use "weight" or "activation" there')
+        store_host, store_port = job.master_addr, job.master_port
         self.position = self.grid.position(rank)
         self.k = micro_batches
         self.incarnation = incarnation
         self.fold_policy = fold_policy
-        self.injector = injector or FaultInjector.from_rules(config.inject, rank, incarnation)
-        self.trace = []  # TraceEvents of the job (config.trace)
+        self.injector = injector
         self.backend = backend
         self._timeout = timedelta(seconds=config.collective_timeout_s)
         timeout = timedelta(seconds=config.agree_timeout_s)
         self.store, self.job_id = job_store.attach(store_host, store_port, rank=rank, incarnation=incarnation,
-                                                   job_id=job_id, timeout=timeout)
+                                                   job_id=job.job_id, timeout=timeout)
         hb_timeout = timedelta(seconds=max(10.0, config.heartbeat_timeout_s))
         self.membership = Membership(
             self.store, lambda: job_store.job_store(job_store.client(store_host, store_port, hb_timeout), self.job_id), rank,
@@ -182,10 +176,11 @@ class ElasticRuntime:
         self._budget = CoveringBudget(config.covering_budget) if config.covering_budget is not None else None
         self._issued: tuple = ()  # the micro-batches plan() handed out for this step
         self.last_divisor_mha: Optional[int] = None  # with the covering budget: the last step's attention divisor
-        self._get_state, self._set_state = state if state is not None else (None, None)
-        self._save = save_checkpoint
+        state = state or StateHooks()
+        self._get_state, self._set_state = state.get, state.set
+        self._save = state.save_checkpoint
         self.sharding = sharding
-        self._save_shards = save_shards
+        self._save_shards = state.save_shards
         self._has_state = False
         """True once this rank holds the training state of self.step: every rank of generation 0,
         a joiner once it has received the state. A rank without it never trains or votes."""
@@ -196,35 +191,12 @@ class ElasticRuntime:
         self.events = EventLog(os.path.join(log_dir, f"events_rank{rank}.jsonl") if log_dir else None, rank=rank)
         self.steps_log = EventLog(os.path.join(log_dir, f"steps_rank{rank}.jsonl") if log_dir else None, rank=rank)
         self.injector.events = self.events
-        if config.trace is not None:
-            self._lay_out_trace(train_iters)
 
     # -- life cycle -------------------------------------------------------------------------------
 
-    @classmethod
-    def for_job(cls, config: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: int, pipeline_parallel: int,
-                micro_batches: int, backend: str = "gloo", **collaborators: Any) -> "ElasticRuntime":
-        """The runtime of this rank of `job` (from `bootstrap.init_distributed`): its rank, world,
-        store, job id, restarts and incarnation. `collaborators`: state, save_checkpoint, train_iters."""
-        return cls(config, rank=job.rank, world=job.world, tensor_parallel=tensor_parallel,
-                   pipeline_parallel=pipeline_parallel, store_host=job.master_addr, store_port=job.master_port,
-                   job_id=job.job_id, max_restarts=job.max_restarts, micro_batches=micro_batches,
-                   incarnation=job.incarnation, backend=backend,
-                   **collaborators)
-
-    def _lay_out_trace(self, total_steps: Optional[int]) -> None:
-        """Turn config.trace into kill (and hold) rules for this job of `total_steps`."""
-        if total_steps is None:
-            raise ValueError('mecefo "trace" needs the job\'s length (train_iters) to lay out the failures')
-        if self.grid.tp * self.grid.pp > 1:
-            raise ValueError('mecefo "trace" needs tensor and pipeline parallel size 1 (use "inject" rules with '
-                             "tensor or pipeline parallelism)")
-        self.trace = job_trace(self.cfg.trace, self.world, total_steps, self.max_restarts)
-        self.injector.add_trace(self.trace, hold_until=total_steps if self.max_restarts else None)
-
     def _wait_for_rejoin_step(self) -> None:
         """A rank restarted by a trace stays down until its event's rejoin step."""
-        mine = [e for e in self.trace if e.rank == self.rank and e.incarnation == self.incarnation - 1]
+        mine = [e for e in self.injector.trace if e.rank == self.rank and e.incarnation == self.incarnation - 1]
         if not mine:
             return
         deadline = self._t_start + self.cfg.join_timeout_s

@@ -91,7 +91,7 @@ class StepDriver:
     """Drives the runtime through one step for a host (see the module docstring)."""
 
     def __init__(self, runtime: ElasticRuntime, cfg: MeCeFOConfig, host: Host, *, micro_batch_size: int,
-                 live_microbatches: int = 1) -> None:
+                 live_microbatches: int = 1, sharding=None) -> None:
         self.runtime = runtime
         self.cfg = cfg
         self.host = host
@@ -110,7 +110,7 @@ class StepDriver:
         self._observed = False
         self.record_extra: Dict[str, Any] = {}
         """Extra fields for this step's record in steps_rank{R}.jsonl."""
-        self.reduction = Reduction(runtime, sharding=runtime.sharding)
+        self.reduction = Reduction(runtime, sharding=sharding)
         """The step's reduction across replicas; a host that overlaps it plugs its buckets in here."""
 
     @property
@@ -217,6 +217,17 @@ class StepDriver:
             if self.last_committed or self.plan is not None:
                 self.plan = None
                 return out
+
+    def banner(self, iteration: int) -> str:
+        """The start-up lines a host prints once, on its lead rank (not on a rank that rejoined)."""
+        rt, z = self.runtime, self.reduction.sharding
+        lines = [f" mecefo: job {rt.job_id} | {self.recompute_note} | starting at iteration {iteration}"]
+        if z is not None:
+            lines.append(f" mecefo: optimizer state sharded over {len(z.layout.live)} replicas (shard_redundancy="
+                         f"{self.cfg.shard_redundancy}): {z.nbytes() / 2**20:.2f} MiB on this rank, replicated "
+                         f"{z.replicated_nbytes() / 2**20:.2f} MiB ({z.numel:,} parameters, "
+                         f"{'fp32 masters in the shards' if z.masters else 'fp32'})")
+        return "\n".join(lines)
 
     def close(self, finished: bool = True) -> None:
         self.runtime.close(finished=finished)

@@ -98,7 +98,8 @@ def main():
     if args.reference:
         return reference(args)
     from megatron_mecefo.elastic.reduction import Reduction
-    from megatron_mecefo.elastic.runtime import ElasticRuntime
+    from megatron_mecefo.elastic.inject import FaultInjector
+    from megatron_mecefo.elastic.runtime import ElasticRuntime, StateHooks
 
     from megatron_mecefo.config import LaunchEnv
 
@@ -120,12 +121,11 @@ def main():
         torch.save({"params": [p.detach() for p in model.parameters()], "opt": opt.state_dict(), "step": rt.step}, path)
         return str(path)
 
-    rt = ElasticRuntime(cfg, rank=rank, world=world, store_host=env.master_addr, store_port=env.master_port,
-                        job_id=env.job_id, max_restarts=env.max_restarts, micro_batches=args.k,
-                        incarnation=env.incarnation, train_iters=args.steps, save_checkpoint=save_checkpoint,
-                        sharding=sharded,
-                        state=(lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
-                               lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"]))))
+    state = StateHooks(get=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
+                       set=lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"])),
+                       save_checkpoint=save_checkpoint)
+    rt = ElasticRuntime(cfg, env, micro_batches=args.k, state=state, sharding=sharded,
+                        injector=FaultInjector.for_job(cfg, env, train_iters=args.steps))
     reduction = Reduction(rt, sharding=sharded)
     step = 0
 

@@ -249,9 +249,10 @@ def test_observe_gradients_finds_the_marked_linears_and_reads_the_hosts_gradient
 
 def test_the_runtime_refuses_the_gradient_basis_with_a_sharded_optimizer():
     """A sharded optimizer reduces each rank's range only: no rank holds a whole aggregated gradient."""
-    from megatron_mecefo.config import MeCeFOConfig
+    from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
     from megatron_mecefo.elastic.runtime import ElasticRuntime
 
     with pytest.raises(ValueError, match='"basis": "gradient" needs every weight\'s aggregated gradient'):
-        ElasticRuntime(MeCeFOConfig(enable=True, basis="gradient"), rank=0, world=2, store_host="127.0.0.1",
-                       store_port=1, sharding=object())  # refused before the store is touched
+        job = LaunchEnv(rank=0, world=2, local_rank=0, master_addr="127.0.0.1", master_port=1, incarnation=0,
+                        mecefo_launcher=False)
+        ElasticRuntime(MeCeFOConfig(enable=True, basis="gradient"), job, sharding=object())  # before the store

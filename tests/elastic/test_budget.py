@@ -71,11 +71,12 @@ def test_invalid_budget():
 
 def test_the_runtime_refuses_a_budget_with_tensor_or_pipeline_parallelism():
     """Each rank of a replica would read its own clock: they could run one micro-batch in two modes."""
-    from megatron_mecefo.config import MeCeFOConfig
+    from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
     from megatron_mecefo.elastic.runtime import ElasticRuntime
 
     cfg = MeCeFOConfig(enable=True, covering_budget=1.1)
     for tp, pp in ((2, 1), (1, 2)):
         with pytest.raises(ValueError, match='"covering_budget" needs tensor and pipeline parallel size 1'):
-            ElasticRuntime(cfg, rank=0, world=4, tensor_parallel=tp, pipeline_parallel=pp, store_host="127.0.0.1",
-                           store_port=1)  # refused before the store is touched
+            job = LaunchEnv(rank=0, world=4, local_rank=0, master_addr="127.0.0.1", master_port=1, incarnation=0,
+                            mecefo_launcher=False)
+            ElasticRuntime(cfg, job, tensor_parallel=tp, pipeline_parallel=pp)  # refused before the store is touched

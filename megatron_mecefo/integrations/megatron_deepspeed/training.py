@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
+from megatron_mecefo.elastic.groups import default_backend
 from megatron_mecefo.integrations.common import (State, UsageError, arg_counters, data_prefixes, keep_training_set,
                                                   init_replica, micro_batch, refuse, shared_refusals,
                                                   usage_errors)
@@ -110,7 +111,7 @@ def wrap_initialize_distributed(original: Callable) -> Callable:
         from megatron_mecefo.deepspeed_hook.engine import skip_cpu_shm_build
 
         skip_cpu_shm_build()
-        init_replica(STATE, cfg, backend="nccl" if torch.cuda.is_available() else "gloo",
+        init_replica(STATE, cfg, backend=default_backend(),
                      tensor_parallel=args.tensor_model_parallel_size, data_parallel=args.data_parallel_size,
                      pipeline_parallel=args.pipeline_model_parallel_size)
         out = original(*a, **kw)
@@ -131,7 +132,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
             return original(model_provider_func, model_type, *a, **kw)
         from megatron import get_args, get_num_microbatches
 
-        from megatron_mecefo.deepspeed_hook.engine import (attach_runtime, engine_clipping, overlap_bucket,
+        from megatron_mecefo.deepspeed_hook.engine import (engine_clipping, overlap_bucket, wrap_engine,
                                                            pipeline_sends_in_groups, replica_ds_config, zero_stage)
         from megatron_mecefo.integrations.megatron_deepspeed.layers import wrap_model
 
@@ -171,24 +172,20 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
             save_checkpoint(args.iteration, model, optimizer, scheduler)
             return os.path.join(args.save, f"global_step{args.iteration}")
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
         engine.global_steps = args.iteration  # upstream's counter of record; equal after a DeepSpeed load
         # legacy models load only their save format; a PipelineModule's state_dict is its save format
         module_state = ((engine.module.state_dict, engine.module.load_state_dict) if pipeline else
                         (engine.module.state_dict_for_save_checkpoint, engine.module.load_state_dict))
-        STATE.driver = attach_runtime(engine, cfg, STATE.job, tensor_parallel=args.tensor_model_parallel_size,
-                                      pipeline_parallel=args.pipeline_model_parallel_size, micro_batches=k, micro_batch_size=mb, backend=backend,
-                                      train_iters=args.train_iters, save=save if args.save else None,
-                                      sharded=sharded, save_dir=args.save, load_dir=args.load, clip_grad=clip,
-                                      overlap_bucket=overlap,
-                                      extra_state=counters, module_state=module_state)
+        STATE.driver = wrap_engine(engine, cfg, STATE.job, tensor_parallel=args.tensor_model_parallel_size,
+                                   pipeline_parallel=args.pipeline_model_parallel_size, micro_batches=k,
+                                   micro_batch_size=mb, train_iters=args.train_iters, save=save if args.save else None,
+                                   sharded=sharded, save_dir=args.save, load_dir=args.load, clip_grad=clip,
+                                   overlap_bucket=overlap, extra_state=counters, module_state=module_state)
         STATE.sharded = sharded
         if sharded and args.save:
             STATE.save_shards = lambda iteration: STATE.driver.save_shards(args.save)
-        rt = STATE.driver.runtime
-        if STATE.lead() and not rt.rejoined:
-            print(f" mecefo: job {rt.job_id} | {STATE.driver.recompute_note} | starting at iteration "
-                  f"{args.iteration}", flush=True)
+        if STATE.lead() and not STATE.driver.runtime.rejoined:
+            print(STATE.driver.driver.banner(args.iteration), flush=True)
         return model, optimizer, scheduler
 
     return setup_model_and_optimizer

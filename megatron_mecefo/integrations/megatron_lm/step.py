@@ -21,11 +21,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
-from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
-from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver, training_state
+from megatron_mecefo.elastic.runtime import StepPlan
+from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver
 from megatron_mecefo.elastic.zero import ShardedOptimizer
-from megatron_mecefo.integrations.megatron_lm.optimizer import sharded_state
 
 __all__ = ["Step"]
 
@@ -33,33 +31,32 @@ __all__ = ["Step"]
 class Step(DrivenHost):
     """Megatron-LM's DDP model chunks, optimizer and scheduler as the host of MeCeFO's step driver."""
 
-    def __init__(self, driver: StepDriver) -> None:
+    def __init__(self, driver: StepDriver, model, overlap: bool = False) -> None:
         self.driver = driver
         self.runtime = driver.runtime
         self.recompute_note = driver.recompute_note
-        self.sharded: Optional[ShardedOptimizer] = None
+        self.sharded: Optional[ShardedOptimizer] = driver.reduction.sharding
         """The sharded optimizer state (`--use-distributed-optimizer`), or None."""
-        self.overlap: Optional[_Overlap] = None
+        self.overlap: Optional[_Overlap] = _Overlap(model, driver.reduction) if overlap else None
         """The cross-replica reduction in upstream's DDP buckets (`--overlap-grad-reduce`), or None."""
         self._reports: list = []
 
-    @classmethod
-    def attach(cls, cfg: MeCeFOConfig, job: LaunchEnv, model, optimizer, scheduler, *, tensor_parallel: int,
-               pipeline_parallel: int = 1, micro_batches: int, micro_batch_size: int, backend: str, train_iters: Optional[int], start: int,
-               save: Optional[Callable[[], str]] = None, counters=None, sharded: bool = False, overlap: bool = False,
-               shard_dir: Optional[Callable[[], str]] = None, load_shards: Optional[str] = None) -> "Step":
-        """Join the job: the runtime with what a rejoining rank receives (model, optimizer,
-        scheduler, RNG, the training loop's counters) and the give-up checkpoint.
+    @staticmethod
+    def host(model, optimizer) -> Host:
+        """Megatron-LM's model chunks and optimizer as the step driver's host: the gradients are in
+        the DDP buffers (`main_grad`); the schedule runs the micro-batches one at a time."""
+        def lr():
+            try:
+                return optimizer.param_groups[0]["lr"]
+            except Exception:
+                return None
 
-        Args:
-            counters: (get, set) of the training loop's counters (plain data).
-            start: the iteration this rank starts at (after `--load`); a restarted rank takes the
-                live one.
-            sharded: shard the optimizer state over the live replicas (elastic/zero.py; what
-                `--use-distributed-optimizer` asks for); `shard_dir`: () -> the directory of the
-                checkpoint being written (this rank's shard files go there); `load_shards`: the
-                loaded checkpoint's directory holding shard files (None: the state upstream loaded).
-        """
+        return Host(module=torch.nn.ModuleList(model), parameters=lambda: (p for chunk in model for p in chunk.parameters()),
+                    grad_attr="main_grad", optimizer_step=optimizer.step, zero_grad=optimizer.zero_grad, lr=lr)
+
+    @staticmethod
+    def model_state(model):
+        """(get, set) of the model chunks' state, for a rejoining rank."""
         def get_model():
             return [chunk.state_dict() for chunk in model]
 
@@ -67,36 +64,7 @@ class Step(DrivenHost):
             for chunk, chunk_state in zip(model, states):
                 chunk.load_state_dict(chunk_state)
 
-        shards = None
-        if sharded:
-            shards = sharded_state(optimizer, cfg, job, tensor_parallel, pipeline_parallel)
-            if load_shards is not None and job.incarnation == 0:
-                shards.load(load_shards)
-        runtime = ElasticRuntime.for_job(
-            cfg, job, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, micro_batches=micro_batches,
-            backend=backend, save_checkpoint=save, train_iters=train_iters if cfg.trace is not None else None,
-            state=training_state((get_model, set_model), optimizer, scheduler, counters), sharding=shards,
-            save_shards=(lambda: shards.save(shard_dir())) if shards is not None and shard_dir is not None else None)
-        step = runtime.start(start)
-        if counters:
-            now = counters[0]()["iteration"]
-            if step != now:
-                raise RuntimeError(f"runtime step {step} != Megatron's iteration {now}")
-
-        def lr():
-            try:
-                return optimizer.param_groups[0]["lr"]
-            except Exception:
-                return None
-
-        host = Host(module=torch.nn.ModuleList(model),
-                    parameters=lambda: (p for chunk in model for p in chunk.parameters()), grad_attr="main_grad",
-                    optimizer_step=optimizer.step, zero_grad=optimizer.zero_grad, lr=lr)
-        out = cls(StepDriver(runtime, cfg, host, micro_batch_size=micro_batch_size))  # the schedule runs them one at a time
-        out.sharded = shards
-        if overlap:
-            out.overlap = _Overlap(model, out.driver.reduction)
-        return out
+        return get_model, set_model
 
     # -- the step ---------------------------------------------------------------------------------
 

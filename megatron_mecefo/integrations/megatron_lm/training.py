@@ -141,6 +141,10 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         from megatron.training.checkpointing import get_checkpoint_name, save_checkpoint
 
         from megatron_mecefo.approx import Coverable
+        from megatron_mecefo.elastic.attach import attach
+        from megatron_mecefo.elastic.runtime import StateHooks
+        from megatron_mecefo.elastic.step import training_state
+        from megatron_mecefo.integrations.megatron_lm.optimizer import sharded_state
         from megatron_mecefo.integrations.megatron_lm.step import Step
         from megatron_mecefo.layers.linear import check_lowrank_rank
 
@@ -167,27 +171,24 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
             return get_checkpoint_name(args.save, args.iteration if iteration is None else iteration,
                                        return_base_dir=True)
 
-        backend = args.distributed_backend
-        with usage_errors():  # shard files that do not cover the state
-            STATE.driver = Step.attach(
-                cfg, STATE.job, model, optimizer, scheduler, tensor_parallel=args.tensor_model_parallel_size,
-                pipeline_parallel=args.pipeline_model_parallel_size,
-                micro_batches=get_num_microbatches(), micro_batch_size=args.micro_batch_size, backend=backend,
-                train_iters=args.train_iters, start=args.iteration, save=save if args.save else None,
-                counters=counters, sharded=STATE.sharded, overlap=args.overlap_grad_reduce,
-                shard_dir=shard_dir if args.save else None,
-                load_shards=sharded_checkpoint(args) if STATE.sharded and args.iteration > 0 else None)
-        if STATE.sharded and args.save:
-            STATE.save_shards = lambda iteration=None: STATE.driver.sharded.save(shard_dir(iteration))
-        rt = STATE.driver.runtime
-        if STATE.lead() and not rt.rejoined:
-            print(f" mecefo: job {rt.job_id} | {STATE.driver.recompute_note} | starting at iteration "
-                  f"{args.iteration}", flush=True)
-            z = STATE.driver.sharded
-            if z is not None:
-                print(f" mecefo: optimizer state sharded over {len(z.layout.live)} replicas (shard_redundancy="
-                      f"{cfg.shard_redundancy}): {z.nbytes() / 2**20:.2f} MiB on this rank, replicated "
-                      f"{z.replicated_nbytes() / 2**20:.2f} MiB", flush=True)
+        with usage_errors():  # an optimizer the sharded state cannot step; shard files that do not cover it
+            shards = sharded_state(optimizer, cfg, STATE.job, args.tensor_model_parallel_size,
+                                   args.pipeline_model_parallel_size) if STATE.sharded else None
+            state = StateHooks(*training_state(Step.model_state(model), optimizer, scheduler, counters),
+                               save_checkpoint=save if args.save else None,
+                               save_shards=(lambda: shards.save(shard_dir())) if shards is not None and args.save else None)
+            driver = attach(cfg, STATE.job, Step.host(model, optimizer), micro_batches=get_num_microbatches(),
+                            micro_batch_size=args.micro_batch_size, state=state,
+                            current_step=lambda: counters[0]()["iteration"],
+                            tensor_parallel=args.tensor_model_parallel_size,
+                            pipeline_parallel=args.pipeline_model_parallel_size, sharding=shards,
+                            load_shards=sharded_checkpoint(args) if shards is not None and args.iteration > 0 else None,
+                            train_iters=args.train_iters, backend=args.distributed_backend)
+        STATE.driver = Step(driver, model, overlap=args.overlap_grad_reduce)
+        if shards is not None and args.save:
+            STATE.save_shards = lambda iteration=None: shards.save(shard_dir(iteration))
+        if STATE.lead() and not driver.runtime.rejoined:
+            print(driver.banner(args.iteration), flush=True)
         return model, optimizer, scheduler
 
     return setup_model_and_optimizer
@@ -280,7 +281,7 @@ def wrap_load_checkpoint(original: Callable) -> Callable:
     """`megatron.training.training.load_checkpoint`: a checkpoint with MeCeFO's optimizer shards
     has no moments in upstream's files, so upstream's optimizer must not ask for them (its
     `init_state_fn` would create the whole state for the load to fill); the shard files are read
-    when the rank joins (Step.attach)."""
+    when the rank joins (elastic.attach)."""
 
     def load_checkpoint(model, optimizer, *a, **kw):
         from megatron.training import get_args
