@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import NoReturn, Optional
+
 __all__ = [
     "MeCeFOError", "RankFailure", "GaveUp", "NoCoverAvailable", "StateLost", "AgreementTimeout", "JobAborted",
     "NotAMember", "ReplicaLost", "JoinTimeout", "JobFinished", "IncompleteStep", "JobConflict", "GAVE_UP_EXIT_CODE",
-    "USAGE_EXIT_CODE", "RETIRED_EXIT_CODE", "run_to_exit",
+    "USAGE_EXIT_CODE", "RETIRED_EXIT_CODE", "exit_now", "run_to_exit",
 ]
 
 GAVE_UP_EXIT_CODE = 3
@@ -69,9 +71,9 @@ class NotAMember(MeCeFOError):
 
 class ReplicaLost(NotAMember):
     """A collective inside this rank's replica (tensor- or pipeline-parallel) failed: a rank of the
-    replica crashed or hangs, so the whole replica leaves the job. The rank exits (exit status 1,
-    0 under a launcher that ends the job on a failure); the launcher restarts it and the replica
-    rejoins once all its ranks are back."""
+    replica crashed or hangs, so the whole replica leaves the job. The rank exits with
+    RETIRED_EXIT_CODE (run_to_exit); its supervisor (mecefo-launch or the keeper) restarts it and
+    the replica rejoins once all its ranks are back."""
 
 
 class JoinTimeout(MeCeFOError):
@@ -80,6 +82,20 @@ class JoinTimeout(MeCeFOError):
 
 class JobFinished(MeCeFOError):
     """A restarted rank came back after training ended: nothing to rejoin; exit cleanly."""
+
+
+def exit_now(code: int, message: Optional[str] = None) -> NoReturn:
+    """End this process at once, from any thread, with `code` (one of the codes above): `message`
+    to stderr first; no interpreter teardown (destructors of broken process groups can abort, and
+    a thread cannot unwind the main one's waits)."""
+    import os
+    import sys
+
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_to_exit(main, *, usage: tuple = (ValueError,), close=None):
@@ -97,7 +113,6 @@ def run_to_exit(main, *, usage: tuple = (ValueError,), close=None):
         close: (finished: bool) -> None, run when `main` returns (True) or exits on its own
             (SystemExit: True when its code is 0).
     """
-    import os
     import sys
 
     try:
@@ -111,8 +126,7 @@ def run_to_exit(main, *, usage: tuple = (ValueError,), close=None):
         print(f"MeCeFO: cannot continue: {e} ({where})", file=sys.stderr, flush=True)
         sys.exit(GAVE_UP_EXIT_CODE)
     except NotAMember as e:
-        print(f"MeCeFO: {e}", file=sys.stderr, flush=True)
-        os._exit(RETIRED_EXIT_CODE)
+        exit_now(RETIRED_EXIT_CODE, f"MeCeFO: {e}")
     except (JobConflict,) + tuple(usage) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(USAGE_EXIT_CODE)

@@ -284,7 +284,7 @@ def main(argv=None):
     else:
         import deepspeed
 
-        from megatron_mecefo.deepspeed_hook.engine import skip_cpu_shm_build
+        from megatron_mecefo.deepspeed_hook.initialize import skip_cpu_shm_build
         from megatron_mecefo.elastic.groups import default_backend
 
         skip_cpu_shm_build()

@@ -1,21 +1,28 @@
 """MeCeFO's fault-tolerance runtime: knows ranks, groups and micro-batches, not layers.
 
-* topology.py   pure: rank grid, ring neighbour, cover map
-* fold.py       pure: micro-batches per replica, gradient divisors, sample ranges
+Start at step.py: its docstring walks one step, healthy and with a peer dying in it.
+
+* attach.py     the composition root: a host joins the job and gets its StepDriver
+* step.py       StepDriver: the one training step of every host (plan, covering, reduce, commit, redo)
+* reduction.py  the step's reduction across replicas: flat, sharded, or overlapped in buckets
+* runtime.py    ElasticRuntime: generations, the error latch, the commit, recovery and give-up
 * membership.py heartbeats, agreement on members, the per-step commit decision (store-backed)
 * groups.py     data-parallel process groups per generation
-* reference.py  reference_gradient: the gradient of one step in one process (for checks)
-* runtime.py    ElasticRuntime: begin_step / plan / reduce_gradients / commit
-* inject.py     FaultInjector: kill / hang at (rank, step, phase, incarnation)
+* topology.py   pure: rank grid, ring neighbour, cover map
+* fold.py       pure: micro-batches per replica, gradient divisors, sample ranges
+* budget.py     pure: the covering budget's count of exact own micro-batches
+* gradients.py, shard_grads.py  the reduction's arithmetic (all-reduce / reduce-scatter, divisors)
+* zero.py, shards.py  the sharded optimizer state, its layout and re-shard; transfer.py: a joiner's state
+* inject.py     FaultInjector: kill / hang at (rank, step, phase, incarnation); traces
 * chaos.py      seeded random failure schedules, a runner, and the invariants every run must satisfy
+* reference.py  reference_gradient: the gradient of one step in one process (for checks)
 * store.py      the job's store: listens on MASTER_ADDR, one job id, keys namespaced by it
-* launch.py     mecefo-launch; store_daemon.py for other launchers
+* launch.py     mecefo-launch; store_daemon.py, keeper.py, bootstrap.py for other launchers
 """
 
 import importlib
 
-# Lazy (PEP 562), so that importing one module of the package (config.py imports inject.py) does
-# not import the runtime, which imports config.
+# Lazy (PEP 562): importing one module of the package does not import the runtime.
 _EXPORTS = {
     "CoverMap": "topology", "Grid": "topology", "ring_cover": "topology",
     "Fold": "fold", "MicroBatch": "fold", "fold_neighbor": "fold", "sample_range": "fold",

@@ -33,7 +33,7 @@ from megatron_mecefo.config import LaunchEnv
 from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.elastic.store_daemon import spawn_store_daemon
 from megatron_mecefo.elastic.supervise import Rank, Supervisor
-from megatron_mecefo.errors import USAGE_EXIT_CODE, JobConflict
+from megatron_mecefo.errors import USAGE_EXIT_CODE, JobConflict, exit_now
 
 __all__ = ["keep", "keep_early", "job_store_for"]
 
@@ -86,8 +86,7 @@ def keep(env: LaunchEnv, *, restart_failed_after: Optional[float], max_restarts:
     try:
         raw, host, port, job_id = job_store_for(env, store)
     except JobConflict as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        os._exit(USAGE_EXIT_CODE)
+        exit_now(USAGE_EXIT_CODE, f"error: {e}")
     restarts = max_restarts if restart_failed_after is not None else 0
     log.info("job %s: store on %s:%d; training runs in a child process (restarts: %s)", job_id, host, port,
              f"after {restart_failed_after:g} s, at most {restarts}" if restart_failed_after is not None else "none")
@@ -108,9 +107,7 @@ def keep(env: LaunchEnv, *, restart_failed_after: Optional[float], max_restarts:
                       job_store.job_store(raw, job_id), restart_failed_after=restart_failed_after,
                       max_restarts=max_restarts, give_up_grace=give_up_grace, term_grace=term_grace,
                       whole_job=False, await_job=True, logger=log).run()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # nothing of the host's (atexit hooks, process groups) ran here to tear down
+    exit_now(code)  # nothing of the host's (atexit hooks, process groups) ran here to tear down
 
 
 

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 import threading
 import time
 from typing import Callable, List, Optional
 
 import torch.distributed as dist
 
-from megatron_mecefo.errors import RETIRED_EXIT_CODE, JobAborted, JobFinished, JoinTimeout
+from megatron_mecefo.errors import RETIRED_EXIT_CODE, JobAborted, JobFinished, JoinTimeout, exit_now
 
 __all__ = ["replica_round", "watch_replica", "mark_started"]
 
@@ -129,11 +127,10 @@ def watch_replica(connect: Callable[[], dist.Store], owners: List[str], rank: in
             except Exception:  # the store is gone: the job is over
                 return
             if gone:
-                print(f"[mecefo] rank {rank}: rank {gone[0].split(':')[1]} of this replica exited: the replica "
-                      "leaves the job; leaving so the launcher restarts it", file=sys.stderr, flush=True)
-                os._exit(RETIRED_EXIT_CODE if under_launcher else 0)
+                exit_now(RETIRED_EXIT_CODE if under_launcher else 0,
+                         f"[mecefo] rank {rank}: rank {gone[0].split(':')[1]} of this replica exited: the replica "
+                         "leaves the job; leaving so the launcher restarts it")
             if ended:
-                print(f"[mecefo] rank {rank}: the job ended before this replica joined it", file=sys.stderr, flush=True)
-                os._exit(0)
+                exit_now(0, f"[mecefo] rank {rank}: the job ended before this replica joined it")
 
     threading.Thread(target=run, name=f"mecefo-replica-watch-{rank}", daemon=True).start()

@@ -45,7 +45,7 @@ from megatron_mecefo.elastic.membership import Agreement, Membership, OrphanWatc
 from megatron_mecefo.elastic.replica import mark_started
 from megatron_mecefo.elastic.topology import CoverMap, Grid, ring_cover
 from megatron_mecefo.elastic.transfer import broadcast_state, decode_state
-from megatron_mecefo.errors import (RETIRED_EXIT_CODE, GaveUp, IncompleteStep, JobAborted, JobFinished, MeCeFOError,
+from megatron_mecefo.errors import (RETIRED_EXIT_CODE, GaveUp, exit_now, IncompleteStep, JobAborted, JobFinished, MeCeFOError,
                                     NoCoverAvailable, NotAMember, ReplicaLost)
 from megatron_mecefo.log import EventLog, RankPrefix
 
@@ -563,13 +563,9 @@ class ElasticRuntime:
         """Heartbeat thread: a later generation was agreed without this rank (its replica lost a rank,
         or it was presumed failed). Whatever this rank waits on now may never return: leave at once;
         the launcher restarts it and the replica rejoins whole."""
-        import sys
-
-        msg = (f"[mecefo] rank {self.rank}: generation {generation} was agreed without this rank (members "
-               f"{members}): its replica is out of the job; leaving so the launcher restarts it")
-        print(msg, file=sys.stderr, flush=True)
         self.events.write("retired", generation=generation, members=members)
-        os._exit(RETIRED_EXIT_CODE)
+        exit_now(RETIRED_EXIT_CODE, f"[mecefo] rank {self.rank}: generation {generation} was agreed without this "
+                 f"rank (members {members}): its replica is out of the job; leaving so the launcher restarts it")
 
     def _approximations_on(self) -> bool:
         c = self.cfg

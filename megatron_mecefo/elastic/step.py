@@ -1,14 +1,15 @@
-"""StepDriver: the one MeCeFO training step, for every host.
+"""StepDriver: the one MeCeFO training step, for every host. Read this file first.
 
 Every host (the DeepSpeed engine wrapper, Megatron-DeepSpeed's `train_step`, Megatron-LM's
-`train_step`, a user's own loop) runs the same sequence, and it lives here:
+`train_step`, a user's own loop) joins the job through `attach.attach` (the composition root) and
+runs the same sequence, which lives here:
 
     driver.begin(step)                    # admit joiners, the plan (own + adopted micro-batches), record
     for mb in plan.micro_batches:
         with driver.forward(mb):          # "forward" injection, covering mode for an adopted/covering mb
             out = model(...)
         driver.backward_point(out)        # "backward" injection inside this micro-batch's backward
-        ...backward...
+        ...backward...                    # buckets plugged into driver.reduction may launch here
     driver.finish(loss_sum=..., loss_count=..., micro_batches=n, averaged_over=a)
         # gradients reduced across replicas with MeCeFO's divisors (reduction.py), the job's commit;
         # then, only on a committed step, the host's optimizer step ("optimizer" injection first);
@@ -18,6 +19,38 @@ Every host (the DeepSpeed engine wrapper, Megatron-DeepSpeed's `train_step`, Meg
 optimizer steps only `if should_commit()`). A host fills `Host`: which module is covered, which
 tensors hold the gradients (`grad` or Megatron's `main_grad` buffers), how its optimizer steps. What
 the runtime sends a rejoining rank is `training_state(...)` of the host's parts.
+
+When a peer dies in the middle of a step (say rank 3, in the backward of a Megatron-LM step;
+D replicas of T * P ranks each):
+
+1. Detection (nothing blocks for long). The reduction's collective fails: gloo raises "connection
+   closed" within a fraction of a second of a SIGKILL, and a hung (SIGSTOPped) peer makes it time
+   out after `collective_timeout_s`. `Reduction` (reduction.py) latches the error in the runtime
+   (`runtime.report_error`); the step's later collectives are skipped. A rank that is not in a
+   failing collective learns it from the store: every wait polls the step's decision key
+   (`runtime.step_aborted`), the launcher marks a crashed rank `exited/{rank}` at once, and the
+   heartbeat thread (membership.py) presumes a rank failed once its counter stalls for
+   `heartbeat_timeout_s`. A failed collective inside the replica (T or P > 1) raises ReplicaLost
+   (`replica_collectives`): rank 3's replica mates leave the job (exit 4) to rejoin together.
+2. Abort. `finish` still calls `runtime.commit()`: each member votes (ok only if its reduction
+   succeeded) and the lowest live member decides once, with compare-and-set (membership.decide).
+   An abort means nobody steps the optimizer (replicas stay bit-identical); `finish` zeroes the
+   gradients and returns False.
+3. Agreement (`runtime._recover`, membership.agree): the survivors destroy the generation's group
+   and check in for generation g+1; the lowest live rank publishes the members. A failure during
+   the agreement restarts it, not the job.
+4. Regroup (`runtime._regroup`): a data-parallel group per (tp, pp) position over the store's
+   `gen{g+1}` prefix (groups.py); a sharded optimizer state re-sharded over the survivors from the
+   neighbour copies (zero.py); the new cover map (topology.ring_cover: rank 3's replica's ring
+   neighbour adopts it) and fold (fold.py: which micro-batches each replica runs, in which mode,
+   and the divisors). No neighbour left, or a shard lost with its copy: GaveUp, a checkpoint of the
+   last committed step and exit 3 (errors.run_to_exit).
+5. Redo. `run` (or the host's own loop, whose step counter did not move) begins the same step:
+   `begin` hands out the new plan, the neighbour runs its own and the adopted micro-batches in
+   covering mode (approx/), and the step commits with every sample of the global batch once.
+6. Rejoin. The launcher restarts rank 3's replica; it asks to join, a later commit admits it at a
+   step boundary, the next `begin` forms the generation with it and a member sends it the training
+   state (transfer.py); its neighbour stops covering.
 
 It knows micro-batches and gradients, not layers: covering mode is set through approx.mode.
 """

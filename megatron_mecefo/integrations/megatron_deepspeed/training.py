@@ -108,7 +108,7 @@ def wrap_initialize_distributed(original: Callable) -> Callable:
                 return original(*a, **kw)
             job = LaunchEnv.read()
             check_args(args, ds_config, cfg, job)
-        from megatron_mecefo.deepspeed_hook.engine import skip_cpu_shm_build
+        from megatron_mecefo.deepspeed_hook.initialize import skip_cpu_shm_build
 
         skip_cpu_shm_build()
         init_replica(STATE, cfg, backend=default_backend(),
@@ -132,8 +132,9 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
             return original(model_provider_func, model_type, *a, **kw)
         from megatron import get_args, get_num_microbatches
 
-        from megatron_mecefo.deepspeed_hook.engine import (engine_clipping, overlap_bucket, wrap_engine,
-                                                           pipeline_sends_in_groups, replica_ds_config, zero_stage)
+        from megatron_mecefo.deepspeed_hook.ds_config import engine_clipping, overlap_bucket, replica_ds_config, zero_stage
+        from megatron_mecefo.deepspeed_hook.initialize import wrap_engine
+        from megatron_mecefo.deepspeed_hook.pipeline import pipeline_sends_in_groups
         from megatron_mecefo.integrations.megatron_deepspeed.layers import wrap_model
 
         args, cfg = get_args(), STATE.cfg

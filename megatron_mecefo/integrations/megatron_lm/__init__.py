@@ -15,9 +15,10 @@ calls the upstream function unchanged. With it the job is fault tolerant: start 
     mecefo-launch --nproc-per-node 8 pretrain_gpt.py <your flags> --transformer-impl local --mecefo
 
 Layers: MeCeFO's Megatron-Core spec (`megatron_mecefo.layers.specs mecefo_gpt_layer_spec`) is used
-unless `--spec` names it already. Scope: tensor parallelism >= 1, pipeline parallelism 1, Megatron's
-DDP without overlapped gradient reduction (`--use-distributed-optimizer`: MeCeFO shards the
-optimizer state over the replicas), fp32 or bf16, dense layers. What is refused, and why, is in training.check_args.
+unless `--spec` names it already. Scope: tensor and pipeline parallelism (1F1B, virtual stages),
+Megatron's DDP with or without `--overlap-grad-reduce` (the cross-replica reduction then runs in
+upstream's buckets), `--use-distributed-optimizer` (MeCeFO shards the optimizer state over the
+replicas), fp32 or bf16, dense layers. What is refused, and why, is in training.check_args.
 """
 
 from __future__ import annotations
