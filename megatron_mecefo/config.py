@@ -382,6 +382,12 @@ class MeCeFOConfig:
         if ds_config.get("fp16", {}).get("enabled"):
             raise ValueError('ds_config "fp16" is not supported with MeCeFO yet; use "bf16" or fp32')
 
+    @property
+    def approximations_on(self) -> bool:
+        """A covering micro-batch approximates something (skipped attention backward, low-rank FFN
+        gradient, or recomputation always)."""
+        return self.enable and (self.skip_attention or self.lowrank_ffn or self.recompute_ffn == "always")
+
     def restarts(self, env: LaunchEnv) -> int:
         """How often a failed rank of this job is restarted: mecefo-launch's budget under it, else
         the keeper's (max_restarts, with restart_failed_after)."""

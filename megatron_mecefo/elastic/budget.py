@@ -15,16 +15,19 @@ rule. With k = 1 the knob is all or nothing: the one own micro-batch runs exact 
 a + c <= B x a, i.e. c <= (B - 1) x a, which the measured costs (c about half of a) rule out for any
 budget below about 1.5.
 
-Plain arithmetic: no torch, no distribution (runtime.py feeds it and applies the count).
+`CoveringBudget` is plain arithmetic; `StepBudget` is its part in a step (the runtime asks it for
+the plan's modes and the statistic the reduction sums). No torch, no distribution.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import statistics
-from typing import Deque, Optional
+import time
+from typing import Deque, Dict, Optional, Sequence
 
-__all__ = ["CoveringBudget"]
+__all__ = ["CoveringBudget", "StepBudget"]
 
 
 class CoveringBudget:
@@ -80,3 +83,58 @@ class CoveringBudget:
         if a is None or c is None:
             return None
         return (e * a + (2 * k - e) * c) / (k * a)
+
+
+class StepBudget:
+    """The covering budget in a rank's steps: a covering plan's first e own micro-batches run exact
+    (e from this rank's clock, `CoveringBudget`), so each covering rank chooses its own modes and the
+    attention divisor becomes a statistic the reduction sums over the members (each member's count
+    of micro-batches with an exact attention backward).
+
+    Args:
+        budget: B (MeCeFOConfig.covering_budget).
+        k: micro-batches per replica per step.
+        skip_attention: covering micro-batches skip the attention backward in this job.
+    """
+
+    def __init__(self, budget: float, k: int, skip_attention: bool) -> None:
+        self.costs = CoveringBudget(budget)
+        self.k = k
+        self.skip_attention = skip_attention
+        self.divisor_mha: Optional[int] = None
+        """The last reduced step's attention divisor (the members' summed count)."""
+        self._t0 = time.monotonic()
+
+    @classmethod
+    def for_config(cls, config, k: int) -> Optional["StepBudget"]:
+        """The budget a MeCeFOConfig asks for (None: "covering_budget" unset, the fold's modes)."""
+        if config.covering_budget is None:
+            return None
+        return cls(config.covering_budget, k, skip_attention=config.skip_attention and config.approximations_on)
+
+    def begin(self) -> None:
+        """A step (or its redo) starts: its compute time counts from here."""
+        self._t0 = time.monotonic()
+
+    def modes(self, micro_batches: Sequence, replica: int) -> tuple:
+        """The plan's micro-batches with the first e own ones exact, when this rank covers."""
+        if all(m.replica == replica for m in micro_batches):
+            return tuple(micro_batches)
+        exact = self.costs.exact_own(self.k)
+        return tuple(dataclasses.replace(m, covering=False, exact_attention=False)
+                     if m.replica == replica and m.index < exact else m for m in micro_batches)
+
+    def exact_attention(self, micro_batches: Sequence) -> int:
+        """How many of `micro_batches` ran with an exact attention backward."""
+        return sum(1 for m in micro_batches if not (m.covering and self.skip_attention) or m.exact_attention)
+
+    def statistic(self, micro_batches: Sequence) -> float:
+        """At the reduction: learns this step's compute time (its start to here), and returns the
+        count the members sum into the attention divisor."""
+        exact = sum(1 for m in micro_batches if not m.covering)
+        self.costs.observe(exact, len(micro_batches) - exact, time.monotonic() - self._t0)
+        return float(self.exact_attention(micro_batches))
+
+    def record(self, micro_batches: Sequence) -> Dict[str, Optional[int]]:
+        """The step record's fields: what this rank chose, and the attention divisor that followed."""
+        return {"exact_attention": self.exact_attention(micro_batches), "divisor_mha": self.divisor_mha}

@@ -35,13 +35,13 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
-from megatron_mecefo.elastic import groups
+from megatron_mecefo.elastic import groups, holds
 from megatron_mecefo.elastic import store as job_store
-from megatron_mecefo.elastic.budget import CoveringBudget
-from megatron_mecefo.elastic.fold import Fold, FoldPolicy, fold_neighbor
+from megatron_mecefo.elastic.budget import StepBudget
+from megatron_mecefo.elastic.fold import Fold, fold_neighbor
 from megatron_mecefo.elastic.give_up import write_checkpoint
 from megatron_mecefo.elastic.inject import FaultInjector
-from megatron_mecefo.elastic.membership import Agreement, Membership, OrphanWatch
+from megatron_mecefo.elastic.membership import Agreement, Membership
 from megatron_mecefo.elastic.replica import mark_started
 from megatron_mecefo.elastic.topology import CoverMap, Grid, ring_cover
 from megatron_mecefo.elastic.transfer import broadcast_state, decode_state
@@ -110,7 +110,8 @@ class ElasticRuntime:
             None: the optimizer state is replicated.
         injector: this rank's FaultInjector (`FaultInjector.for_job`, which lays out config.trace
             over the job's length); None: config.inject's rules only (a trace then is refused).
-        fold_policy: (cover, k, approximate=, skip_attention=, attention_floor=) -> Fold.
+        budget: the covering budget's part (budget.StepBudget); None: the one config.covering_budget
+            asks for, if any.
         backend: "gloo" (tested) or "nccl" (untested here).
 
     Raises:
@@ -119,7 +120,7 @@ class ElasticRuntime:
 
     def __init__(self, config: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                  micro_batches: int = 1, state: Optional["StateHooks"] = None, sharding=None,
-                 injector: Optional[FaultInjector] = None, fold_policy: FoldPolicy = fold_neighbor,
+                 injector: Optional[FaultInjector] = None, budget: Optional[StepBudget] = None,
                  backend: str = "gloo") -> None:
         rank, world, incarnation = job.rank, job.world, job.incarnation
         self.cfg = config
@@ -144,7 +145,6 @@ class ElasticRuntime:
         self.position = self.grid.position(rank)
         self.k = micro_batches
         self.incarnation = incarnation
-        self.fold_policy = fold_policy
         self.injector = injector
         self.backend = backend
         self._timeout = timedelta(seconds=config.collective_timeout_s)
@@ -173,9 +173,8 @@ class ElasticRuntime:
         self._pending: Optional[tuple] = None  # (generation, candidates) to regroup into
         self._cover: Optional[CoverMap] = None
         self._fold: Optional[Fold] = None
-        self._budget = CoveringBudget(config.covering_budget) if config.covering_budget is not None else None
+        self._budget = budget or StepBudget.for_config(config, micro_batches)
         self._issued: tuple = ()  # the micro-batches plan() handed out for this step
-        self.last_divisor_mha: Optional[int] = None  # with the covering budget: the last step's attention divisor
         state = state or StateHooks()
         self._get_state, self._set_state = state.get, state.set
         self._save = state.save_checkpoint
@@ -193,18 +192,6 @@ class ElasticRuntime:
         self.injector.events = self.events
 
     # -- life cycle -------------------------------------------------------------------------------
-
-    def _wait_for_rejoin_step(self) -> None:
-        """A rank restarted by a trace stays down until its event's rejoin step."""
-        mine = [e for e in self.injector.trace if e.rank == self.rank and e.incarnation == self.incarnation - 1]
-        if not mine:
-            return
-        deadline = self._t_start + self.cfg.join_timeout_s
-        watch = OrphanWatch(self.membership)
-        while int(self.store.add("job/progress", 0)) < mine[0].rejoin_step and time.monotonic() < deadline:
-            self.membership.check_job()
-            watch.check()
-            time.sleep(0.1)
 
     def start(self, step: int = 0) -> int:
         """Join the job. Returns the step to train next.
@@ -237,7 +224,8 @@ class ElasticRuntime:
                 self._has_state = False
                 self.log.warning("not in the first generation; joining at the next step boundary")
         t0 = time.monotonic()
-        self._wait_for_rejoin_step()
+        holds.wait_for_rejoin_step(self.injector.trace, self.rank, self.incarnation, self.store, self.membership,
+                                   deadline=self._t_start + self.cfg.join_timeout_s)
         self.store.set(f"rejoining/{self.rank}/{self.incarnation}", "1")  # what "hold" rules wait for
         generation = self.membership.request_join(self._t_start + self.cfg.join_timeout_s)
         self.injector.maybe_fire(int(self.store.add("job/progress", 0)), "join")
@@ -272,48 +260,26 @@ class ElasticRuntime:
             generation, candidates = self._pending
             self._pending = None
             self._guarded(self._regroup, generation, candidates)
-        self._hold()
+        holds.wait_for_holds(self.injector.holds(self.step), self.step, self.store, self.membership,
+                             self.cfg.join_timeout_s, self.events, self.log)
         self._error = None
         self._error_time = self._error_wall = None
         self._ran = None
         self._issued = ()
         self._t_step = time.monotonic()
-
-    def _hold(self) -> None:
-        """Injected holds ("hold" rules): wait until each named restarted incarnation has asked to
-        rejoin, so that this step's commit admits it (tests key rejoins to steps, not to the clock)."""
-        for rank, incarnation in self.injector.holds(self.step):
-            key = f"rejoining/{rank}/{incarnation}"
-            deadline = time.monotonic() + self.cfg.join_timeout_s
-            t0 = time.monotonic()
-            while not self.store.check([key]):
-                self.membership.check_job()
-                if time.monotonic() > deadline:
-                    self.log.warning("hold: incarnation %d of rank %d did not ask to rejoin within join_timeout_s; "
-                                     "going on", incarnation, rank)
-                    break
-                time.sleep(0.05)
-            self.events.write("hold", step=self.step, rank_awaited=rank, incarnation=incarnation,
-                              waited_s=time.monotonic() - t0)
+        if self._budget is not None:
+            self._budget.begin()
 
     def plan(self) -> StepPlan:
         replica = self.grid.replica_of(self.rank)
         mbs = self._fold.micro_batches(replica)
-        if self._budget is not None and any(m.replica != replica for m in mbs):
-            # the covering budget: the first e own micro-batches exact, e from this rank's clock
-            exact = self._budget.exact_own(self.k)
-            mbs = tuple(dataclasses.replace(m, covering=False, exact_attention=False)
-                        if m.replica == replica and m.index < exact else m for m in mbs)
+        if self._budget is not None:  # the first e own micro-batches exact, e from this rank's clock
+            mbs = self._budget.modes(mbs, replica)
         self._issued = mbs
         return StepPlan(
             step=self.step, generation=self.generation, members=tuple(self.members), cover=self._cover,
             micro_batches=mbs, divisor=self._fold.divisor, divisor_mha=self._fold.divisor_mha,
         )
-
-    def _exact_attention_count(self) -> int:
-        """Micro-batches this rank ran with an exact attention backward this step."""
-        skip = self.cfg.skip_attention and self._approximations_on()
-        return sum(1 for m in self._micro_batches_run() if not (m.covering and skip) or m.exact_attention)
 
     def _micro_batches_run(self) -> tuple:
         """This step's micro-batches as plan() handed them out (the fold's, if it was not asked)."""
@@ -373,24 +339,17 @@ class ElasticRuntime:
         out = [float(micro_batches)] if micro_batches is not None else []
         self._counted = micro_batches is not None
         if self._budget is not None:
-            self._observe_step_time()
-            out.append(float(self._exact_attention_count()))
+            out.append(self._budget.statistic(self._micro_batches_run()))
         return out
 
     def take_statistics(self, summed: List[float]) -> List[float]:
         """The summed `step_statistics` taken off the end of `summed`; returns the rest."""
         summed = list(summed)
         if self._budget is not None:
-            self.last_divisor_mha = int(round(summed.pop()))
+            self._budget.divisor_mha = int(round(summed.pop()))
         if self._counted:
             self._ran = int(round(summed.pop()))
         return summed
-
-    def _observe_step_time(self) -> None:
-        """Feed the covering budget this step's compute time (its start to its reduction)."""
-        ran = self._micro_batches_run()
-        exact = sum(1 for m in ran if not m.covering)
-        self._budget.observe(exact, len(ran) - exact, time.monotonic() - self._t_step)
 
     def step_aborted(self) -> bool:
         """A member declared this step failed (polled while waiting on a collective)."""
@@ -426,7 +385,7 @@ class ElasticRuntime:
                 self._pending = (decision.next_generation, sorted(set(self.members) | set(decision.joiners)))
             ran = self._micro_batches_run()
             if self._budget is not None:  # what this rank chose, and the attention divisor that followed
-                record = {**record, "exact_attention": self._exact_attention_count(), "divisor_mha": self.last_divisor_mha}
+                record = {**record, **self._budget.record(ran)}
             self.steps_log.write(
                 "step", step=self.step, generation=self.generation, live=list(self.members),
                 cover={str(k): v for k, v in self._cover.cover.items()}, degraded=self._cover.degraded,
@@ -533,8 +492,8 @@ class ElasticRuntime:
                                   elements=sum(b - a for a, b in lost), of=self.sharding.numel)
         self.group, self.generation, self.members, self._cover = group, generation, list(agreed.members), cover
         self.step = agreed.step
-        approximate = self.cfg.approximate if self._approximations_on() else "none"
-        self._fold = self.fold_policy(cover, self.k, approximate=approximate, skip_attention=self.cfg.skip_attention,
+        approximate = self.cfg.approximate if self.cfg.approximations_on else "none"
+        self._fold = fold_neighbor(cover, self.k, approximate=approximate, skip_attention=self.cfg.skip_attention,
                                       attention_floor=self.cfg.attention_floor)
         t_done = time.monotonic()
         now = time.time()
@@ -566,10 +525,6 @@ class ElasticRuntime:
         self.events.write("retired", generation=generation, members=members)
         exit_now(RETIRED_EXIT_CODE, f"[mecefo] rank {self.rank}: generation {generation} was agreed without this "
                  f"rank (members {members}): its replica is out of the job; leaving so the launcher restarts it")
-
-    def _approximations_on(self) -> bool:
-        c = self.cfg
-        return c.enable and (c.skip_attention or c.lowrank_ffn or c.recompute_ffn == "always")
 
     def _transfer_state(self, group, agreed: Agreement, peers: Sequence[int],
                         should_abort: Callable[[], bool]) -> Optional[bytes]:
