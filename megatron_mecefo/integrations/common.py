@@ -15,7 +15,7 @@ import torch
 
 from megatron_mecefo.integrations.record import Record
 
-__all__ = ["UsageError", "usage_errors", "State", "refuse", "shared_refusals", "init_replica", "tensorboard_writer", "add_args", "install_hooks", "wrap_pretrain", "micro_batch", "run_job",
+__all__ = ["UsageError", "usage_errors", "State", "refuse", "shared_refusals", "init_replica", "init_replica_then_upstream", "tensorboard_writer", "add_args", "install_hooks", "wrap_pretrain", "micro_batch", "run_job",
            "lead_only_save", "keep_training_set", "data_prefixes", "one_replica_at_a_time",
            "arg_counters"]
 
@@ -103,6 +103,23 @@ def init_replica(state: State, cfg, *, backend: str, tensor_parallel: int, data_
                                  log_dir=cfg.log_dir, restart_failed_after=cfg.restart_failed_after,
                                  max_restarts=cfg.max_restarts, store=cfg.store)
     state.cfg, state.dp = cfg, data_parallel
+
+
+def init_replica_then_upstream(state: State, cfg, original: Callable, a, kw, *, args, backend: str,
+                               **model_parallel) -> Any:
+    """An adapter's `_initialize_distributed` with --mecefo: torch.distributed over this rank's
+    replica (`init_replica`), then upstream's own init (`original(*a, **kw)`), which builds its
+    groups over the replica; `model_parallel`: more arguments of upstream's
+    `initialize_model_parallel`, called here when upstream skips it (no device counted)."""
+    init_replica(state, cfg, backend=backend, tensor_parallel=args.tensor_model_parallel_size,
+                 data_parallel=args.data_parallel_size, pipeline_parallel=args.pipeline_model_parallel_size)
+    out = original(*a, **kw)
+    from megatron.core import mpu
+
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                      **model_parallel)
+    return out
 
 
 def add_args(parser):

@@ -38,7 +38,7 @@ import torch
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.elastic.groups import default_backend
 from megatron_mecefo.integrations.common import (State, UsageError, arg_counters, data_prefixes, keep_training_set,
-                                                  init_replica, micro_batch, refuse, shared_refusals,
+                                                  init_replica_then_upstream, micro_batch, refuse, shared_refusals,
                                                   usage_errors)
 
 __all__ = ["UsageError", "State", "STATE", "check_args", "wrap_initialize_distributed", "wrap_setup_model_and_optimizer",
@@ -111,15 +111,7 @@ def wrap_initialize_distributed(original: Callable) -> Callable:
         from megatron_mecefo.deepspeed_hook.initialize import skip_cpu_shm_build
 
         skip_cpu_shm_build()
-        init_replica(STATE, cfg, backend=default_backend(),
-                     tensor_parallel=args.tensor_model_parallel_size, data_parallel=args.data_parallel_size,
-                     pipeline_parallel=args.pipeline_model_parallel_size)
-        out = original(*a, **kw)
-        from megatron.core import mpu
-
-        if not mpu.model_parallel_is_initialized():  # upstream skips it when no device is counted
-            mpu.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-        return out
+        return init_replica_then_upstream(STATE, cfg, original, a, kw, args=args, backend=default_backend())
 
     return _initialize_distributed
 

@@ -43,7 +43,7 @@ import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.integrations.common import (State, UsageError, arg_counters, data_prefixes, keep_training_set,
-                                                  init_replica, micro_batch, refuse, shared_refusals,
+                                                  init_replica_then_upstream, micro_batch, refuse, shared_refusals,
                                                   usage_errors)
 
 __all__ = ["UsageError", "State", "STATE", "SPEC", "check_args", "wrap_initialize_distributed",
@@ -116,16 +116,9 @@ def wrap_initialize_distributed(original: Callable) -> Callable:
         # the replica's tensor-parallel groups carry training collectives: a hung mate is noticed
         # after collective_timeout_s, not Megatron's default 10 minutes
         args.distributed_timeout_minutes = cfg.collective_timeout_s / 60
-        init_replica(STATE, cfg, backend=args.distributed_backend, tensor_parallel=args.tensor_model_parallel_size,
-                     data_parallel=args.data_parallel_size, pipeline_parallel=args.pipeline_model_parallel_size)
         args.spec = list(SPEC)
-        out = original(*a, **kw)
-        from megatron.core import mpu
-
-        if not mpu.model_parallel_is_initialized():  # upstream skips it when no device is counted
-            mpu.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        return init_replica_then_upstream(STATE, cfg, original, a, kw, args=args, backend=args.distributed_backend,
                                           distributed_timeout_minutes=args.distributed_timeout_minutes)
-        return out
 
     return _initialize_distributed
 
