@@ -18,7 +18,7 @@ paper's rule leaves none: attention learns from nothing), covering micro-batches
 attention backward (`exact_attention`), the covering replicas' own ones first, spread over the
 replicas, until the share reaches the floor. The FFN approximations stay on for them.
 
-A fold policy is any function (plan, k, options) -> Fold; `fold_neighbor` is MeCeFO's.
+A fold policy is any function (cover, k, options) -> Fold; `fold_neighbor` is MeCeFO's.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ FoldPolicy = Callable[..., Fold]
 
 
 def fold_neighbor(
-    plan: CoverMap,
+    cover: CoverMap,
     micro_batches_per_replica: int,
     *,
     approximate: str = "all",
@@ -78,7 +78,7 @@ def fold_neighbor(
     """MeCeFO's fold: each covering replica runs its own and its adopted micro-batches.
 
     Args:
-        plan: the generation's cover map.
+        cover: the generation's cover map.
         micro_batches_per_replica: k, gradient-accumulation steps of one replica.
         approximate: which micro-batches of a covering replica run in covering mode: "all" (the
             paper), "adopted" (own stay exact) or "none" (everything exact: the fold alone).
@@ -95,8 +95,8 @@ def fold_neighbor(
     if not 0.0 <= attention_floor <= 1.0:
         raise ValueError(f"attention_floor must be in [0, 1], got {attention_floor!r}")
     assignments: Dict[int, List[MicroBatch]] = {}
-    for replica in plan.live:
-        adopted = plan.adopted_by(replica)
+    for replica in cover.live:
+        adopted = cover.adopted_by(replica)
         covering = bool(adopted)
         own_cov = covering and approximate == "all"
         adopt_cov = covering and approximate in ("all", "adopted")
@@ -109,7 +109,7 @@ def fold_neighbor(
                    if not (m.covering and skip_attention) or m.exact_attention)
 
     if skip_attention and attention_floor > 0:
-        need = math.ceil(attention_floor * plan.grid.dp * k - 1e-9)
+        need = math.ceil(attention_floor * cover.grid.dp * k - 1e-9)
         # own micro-batches first (the replica's own data), round-robin over the covering replicas
         slots = sorted(((m.replica != live, j, live) for live, mbs in assignments.items()
                         for j, m in enumerate(mbs) if m.covering), key=lambda t: (t[0], t[1] % k, t[1], t[2]))
@@ -119,7 +119,7 @@ def fold_neighbor(
                 break
             assignments[live][j] = dataclasses.replace(assignments[live][j], exact_attention=True)
             have += 1
-    return Fold({r: tuple(mbs) for r, mbs in assignments.items()}, divisor=plan.grid.dp * k,
+    return Fold({r: tuple(mbs) for r, mbs in assignments.items()}, divisor=cover.grid.dp * k,
                 divisor_mha=exact_attention())
 
 

@@ -7,13 +7,13 @@ generation never mislead a later one:
 * heartbeats  `hb/{rank}`: a counter each rank bumps from a thread. A rank is presumed failed when
   its counter has not moved for `heartbeat_timeout_s` of the observer's own clock (no clock sync
   needed); a SIGSTOPped rank's counter stops too.
-* agreement   `gen{g}/in/{rank}`, `gen{g}/plan`: survivors check in with the step whose state they
+* agreement   `gen{g}/in/{rank}`, `gen{g}/agreed`: survivors check in with the step whose state they
   hold (-1: none, a restarted rank); once every candidate has checked in or is presumed failed, the
-  lowest live checked-in rank publishes the plan (members, joiners = members without the newest
-  state, step) with compare-and-set; everyone adopts the first published plan. A restarted rank
+  lowest live checked-in rank publishes the agreement (members, joiners = members without the newest
+  state, step) with compare-and-set; everyone adopts the first published agreement. A restarted rank
   asking to join is not waited for (it comes in at a step boundary); the publisher logs why each
   candidate was left out. A failure during agreement only delays it; the next generation starts
-  over. A plan with no state holder is never published: "lost" ends the job instead.
+  over. An agreement with no state holder is never published: "lost" ends the job instead.
 * commit      `gen{g}/step{s}/vote/{rank}`, `.../oks`, `.../decision`: each member votes ok/abort
   after its gradient reduction (an ok vote also counts up `oks`; an abort vote decides abort at
   once); the lowest live member decides commit (`oks` reached the member count) or abort (a member
@@ -167,8 +167,8 @@ class Membership:
 
     def _check_excluded(self, store: dist.Store) -> None:
         g = self._watch
-        while g is not None and store.check([f"gen{g + 1}/plan"]):
-            members = json.loads(store.get(f"gen{g + 1}/plan"))["members"]
+        while g is not None and store.check([f"gen{g + 1}/agreed"]):
+            members = json.loads(store.get(f"gen{g + 1}/agreed"))["members"]
             if self.rank not in members:
                 self._watch = None
                 if self._on_excluded is not None:
@@ -224,7 +224,7 @@ class Membership:
 
         Call on every survivor (and admitted joiner) with the same `candidates`. `step` is the step
         this rank holds the training state of, or None for a rank without state (a restarted or
-        late rank). The plan names the members holding the state of the newest step (one of them
+        late rank). The agreement names the members holding the state of the newest step (one of them
         sends it) and the joiners, who must receive it before the generation trains: a rank without
         state never trains or votes.
 
@@ -235,7 +235,7 @@ class Membership:
         rejoins like a restarted rank); the lowest live rank that checked in then publishes at once.
 
         Raises:
-            AgreementTimeout: still no plan 2 x heartbeat_timeout_s after agree_timeout_s (every rank
+            AgreementTimeout: still no agreement 2 x heartbeat_timeout_s after agree_timeout_s (every rank
                 that could publish it died meanwhile).
             StateLost: every live candidate is without state and no other can bring it.
             JobAborted: another rank gave up meanwhile.
@@ -244,9 +244,9 @@ class Membership:
         prefix = f"gen{generation}"
         self.store.set(f"{prefix}/in/{self.rank}", str(-1 if step is None else step))
         deadline = time.monotonic() + self.agree_timeout
-        plan_key = f"{prefix}/plan"
+        agreed_key = f"{prefix}/agreed"
         candidates = sorted(set(candidates) | {self.rank})
-        while not self.store.check([plan_key]):
+        while not self.store.check([agreed_key]):
             if self.store.check(["job/failed"]) or self.store.check(["job/finished"]):
                 self.check_job()
             now = time.monotonic()
@@ -267,33 +267,33 @@ class Membership:
                 steps = [checked[r] for r in whole if checked[r] >= 0]
                 if steps:
                     newest = max(steps)
-                    plan = {"members": whole, "joiners": [r for r in whole if checked[r] != newest], "step": newest}
-                    if self.store.compare_set(plan_key, "", json.dumps(plan)).decode() == json.dumps(plan):
+                    agreed = {"members": whole, "joiners": [r for r in whole if checked[r] != newest], "step": newest}
+                    if self.store.compare_set(agreed_key, "", json.dumps(agreed)).decode() == json.dumps(agreed):
                         self._explain(generation, candidates, whole, checked, live, asking)
                 elif any(checked[r] >= 0 for r in voters):  # the state lives on in broken replicas only
-                    self.store.compare_set(plan_key, "", json.dumps({"members": [], "joiners": [], "step": -1,
+                    self.store.compare_set(agreed_key, "", json.dumps({"members": [], "joiners": [], "step": -1,
                                                                     "voters": voters}))
                 elif not pending:  # nobody left who could bring the state
-                    self.store.compare_set(plan_key, "", json.dumps({"lost": True, "members": voters}))
+                    self.store.compare_set(agreed_key, "", json.dumps({"lost": True, "members": voters}))
             time.sleep(_POLL_S)
-        plan = json.loads(self.store.get(plan_key))
-        if not plan.get("lost") and not plan["members"]:
+        agreed = json.loads(self.store.get(agreed_key))
+        if not agreed.get("lost") and not agreed["members"]:
             err = NoCoverAvailable(
                 f"[gen {generation} rank {self.rank}] every replica lost a rank: no whole replica is left to train "
-                f"(live ranks {plan['voters']})")
-            err.members = plan["voters"]
+                f"(live ranks {agreed['voters']})")
+            err.members = agreed["voters"]
             raise err
-        if plan.get("lost"):
+        if agreed.get("lost"):
             raise StateLost(
                 f"[gen {generation} rank {self.rank}] no rank holding the training state is left: the live "
-                f"ranks {plan['members']} are all restarted ranks that never received it"
+                f"ranks {agreed['members']} are all restarted ranks that never received it"
             )
-        if self.rank not in plan["members"]:
+        if self.rank not in agreed["members"]:
             raise NotAMember(
                 f"[gen {generation} rank {self.rank}] left out of generation {generation} (presumed failed; "
-                f"members {plan['members']}); this rank must stop"
+                f"members {agreed['members']}); this rank must stop"
             )
-        return Agreement(tuple(plan["members"]), tuple(plan["joiners"]), int(plan["step"]))
+        return Agreement(tuple(agreed["members"]), tuple(agreed["joiners"]), int(agreed["step"]))
 
     def _asking_to_join(self, ranks: Iterable[int]) -> set:
         """Restarted incarnations waiting to be named for a generation (`request_join`): they come in
@@ -324,16 +324,16 @@ class Membership:
 
     def members_of(self, generation: int) -> List[int]:
         """The agreed members of an earlier generation."""
-        return json.loads(self.store.get(f"gen{generation}/plan"))["members"]
+        return json.loads(self.store.get(f"gen{generation}/agreed"))["members"]
 
-    def latest_plan(self, since: int = 0) -> tuple:
-        """(generation, plan dict) of the newest published plan at or after generation `since`."""
+    def latest_agreement(self, since: int = 0) -> tuple:
+        """(generation, agreement dict) of the newest published agreement at or after generation `since`."""
         g = since
-        while self.store.check([f"gen{g + 1}/plan"]):
+        while self.store.check([f"gen{g + 1}/agreed"]):
             g += 1
-        if not self.store.check([f"gen{g}/plan"]):
+        if not self.store.check([f"gen{g}/agreed"]):
             return g, None
-        return g, json.loads(self.store.get(f"gen{g}/plan"))
+        return g, json.loads(self.store.get(f"gen{g}/agreed"))
 
     # -- commit -----------------------------------------------------------------------------------
 
@@ -487,15 +487,15 @@ class OrphanWatch:
             return
         self.next_check = now + 0.5
         m, store = self.m, self.m.store
-        self.since, plan = m.latest_plan(self.since)
-        holders = [r for r in (plan or {}).get("members", []) if r != m.rank
+        self.since, agreed = m.latest_agreement(self.since)
+        holders = [r for r in (agreed or {}).get("members", []) if r != m.rank
                    and not (store.check([f"join/{r}"]) and store.get(f"join/{r}").decode() == "waiting")]
-        if plan is not None and not plan.get("lost") and m.alive(holders):
+        if agreed is not None and not agreed.get("lost") and m.alive(holders):
             self.orphaned_since = None
         elif self.orphaned_since is None:
             self.orphaned_since = now
         elif now - self.orphaned_since > m.hb_timeout:
             reason = (f"no rank holding the training state is left (generation {self.since} had members "
-                      f"{(plan or {}).get('members')}; none is alive)")
+                      f"{(agreed or {}).get('members')}; none is alive)")
             m.mark_failed(reason)
             raise StateLost(f"[rank {m.rank}] {reason}")

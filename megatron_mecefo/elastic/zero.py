@@ -393,23 +393,23 @@ class ShardedOptimizer:
         held_by = {replicas[peers.index(h)] for h in holders}
         mine = replicas[me]
         if old is None:  # the whole state on every holder (fresh, or loaded): carve locally or send
-            plan = _whole_plan(new, held_by)
+            change = _whole_layout_moves(new, held_by)
         else:
-            plan = reshard(old, new, held_by)
+            change = reshard(old, new, held_by)
         if old is not None:  # first, so that a give-up checkpoint's module is the same on every survivor
             self._sync_parameters(group, old, held_by, replicas, should_abort)
-        if plan.lost and self.on_loss != "reinit":
-            lost = ", ".join(f"[{a}, {b})" for a, b in plan.lost)
+        if change.lost and self.on_loss != "reinit":
+            lost = ", ".join(f"[{a}, {b})" for a, b in change.lost)
             raise ShardLost(f"the sharded optimizer state lost elements {lost} of {self.numel}: their owner and the "
                             "holder of their copy failed together (or shard_redundancy is \"none\"); the job ends with "
                             "the last checkpoint (on_shard_loss: \"reinit\" rebuilds such ranges instead)")
         fresh = {into: self._new_held(a, b) for into, (a, b) in new.held(mine).items()}
         width = len(self.keys) + len(self.fresh_scalars)
         # every remote move in one all-to-all (gloo's send/recv cannot be polled, so a peer could not
-        # stop waiting when another saw the generation fail); each pair's moves in plan order
+        # stop waiting when another saw the generation fail); each pair's moves in their order
         n = len(replicas)
         outgoing, incoming = [[] for _ in range(n)], [[] for _ in range(n)]
-        for mv in plan.moves:
+        for mv in change.moves:
             if mv.src == mine:
                 payload = self._slice(mv.start, mv.end, whole=old is None)
                 if mv.local:
@@ -418,7 +418,7 @@ class ShardedOptimizer:
                     outgoing[replicas.index(mv.dst)].append(payload.float())
             elif mv.dst == mine:
                 incoming[replicas.index(mv.src)].append(mv)
-        if any(not mv.local for mv in plan.moves):  # the plan is the same on every peer: all call it or none
+        if any(not mv.local for mv in change.moves):  # the moves are the same on every peer: all call it or none
             from megatron_mecefo.elastic import groups
 
             device = next(p.device for g in self.optimizer.param_groups for p in g["params"])
@@ -437,7 +437,7 @@ class ShardedOptimizer:
                     at += size
         for held in fresh.values():  # a lost range (reinit) keeps its fresh state: zeros, step 0
             self._bind(held)
-        return new, mine, fresh, plan, group, list(replicas)
+        return new, mine, fresh, change, group, list(replicas)
 
     def install(self, pending) -> None:
         """Make the re-sharded state current (the generation formed)."""
@@ -486,7 +486,7 @@ class ShardedOptimizer:
             if held.start <= start and end <= held.end:
                 return torch.cat([held.state[k][start - held.start:end - held.start] for k in self.keys]
                                  + self._scalar_elems(held, start, end))
-        raise RuntimeError(f"[{start}, {end}) is not held here: the re-shard plan and the held ranges disagree")
+        raise RuntimeError(f"[{start}, {end}) is not held here: the re-shard's moves and the held ranges disagree")
 
     def _fill(self, held: _Held, mv, payload: torch.Tensor) -> None:
         n, at = mv.end - mv.start, slice(mv.start - held.start, mv.end - held.start)
@@ -594,7 +594,7 @@ def _segments(scalars: Dict[str, torch.Tensor], start: int, n: int) -> List[Tupl
     return [(start + a, start + b) for a, b in zip(bounds, bounds[1:])]
 
 
-def _whole_plan(new: ShardLayout, held_by) -> Reshard:
+def _whole_layout_moves(new: ShardLayout, held_by) -> Reshard:
     """Every holder holds everything: each range from itself if it holds, else from the lowest holder."""
     from megatron_mecefo.elastic.shards import Move
 

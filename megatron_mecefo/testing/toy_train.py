@@ -88,7 +88,7 @@ def wait_for_generation_0(env) -> None:
 
     raw = store.client(env.master_addr, env.master_port, timedelta(seconds=300))
     job = store.job_store(raw, store.read_job(raw, f"{env.master_addr}:{env.master_port}", env.job_id)["id"])
-    while not job.check(["gen0/plan"]):
+    while not job.check(["gen0/agreed"]):
         time.sleep(0.05)
 
 

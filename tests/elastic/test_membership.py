@@ -112,12 +112,12 @@ def test_only_ranks_without_state_left_is_state_lost(store):
     store.set("exited/1", "1")  # the only holder crashed
     out = agree_all(store, 2, {0: None, 2: None, 1: 40})
     assert isinstance(out[0], StateLost) and isinstance(out[2], StateLost)
-    assert json.loads(store.get("gen2/plan")) == {"lost": True, "members": [0, 2]}
+    assert json.loads(store.get("gen2/agreed")) == {"lost": True, "members": [0, 2]}
 
 
 def test_a_waiting_joiner_ends_the_job_when_no_holder_is_alive(store):
-    store.set("gen0/plan", json.dumps({"members": [0, 1], "joiners": [], "step": 0}))
-    store.set("gen1/plan", json.dumps({"members": [1], "joiners": [], "step": 7}))
+    store.set("gen0/agreed", json.dumps({"members": [0, 1], "joiners": [], "step": 0}))
+    store.set("gen1/agreed", json.dumps({"members": [1], "joiners": [], "step": 7}))
     store.add("hb/1", 1)
     store.set("exited/1", "1")
     t0 = time.monotonic()
@@ -130,7 +130,7 @@ def test_a_waiting_joiner_ends_the_job_when_no_holder_is_alive(store):
 
 
 def test_a_waiting_joiner_keeps_waiting_while_a_holder_lives(store):
-    store.set("gen0/plan", json.dumps({"members": [1], "joiners": [], "step": 0}))
+    store.set("gen0/agreed", json.dumps({"members": [1], "joiners": [], "step": 0}))
     stop = threading.Event()
 
     def beat():
