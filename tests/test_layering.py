@@ -171,3 +171,33 @@ def test_base_modules_import_nothing_above_them():
     for module in _BASE:
         up = sorted(t for t in _imports(module, files[module], set(files)) if t.startswith(_ABOVE))
         assert not up, f"{module} imports {up}: move what it needs below it"
+
+
+# The cross-replica gradient collectives and the reduction's arithmetic: called from the step's
+# reduction part only (elastic/reduction.py over gradients.py and shard_grads.py, which use groups.py).
+_REDUCTION_CALLS = ("allreduce_sum_", "allreduce_sum_async_", "reduce_with_divisors", "reduce_scatter_with_divisors")
+_REDUCTION_PART = {"elastic/reduction.py", "elastic/gradients.py", "elastic/shard_grads.py", "elastic/groups.py"}
+
+
+def test_no_gradient_reduction_outside_the_reduction_part():
+    import ast
+
+    for path in (ROOT / "megatron_mecefo").rglob("*.py"):
+        if path.relative_to(ROOT / "megatron_mecefo").as_posix() in _REDUCTION_PART:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", getattr(node.func, "id", None))
+                assert name not in _REDUCTION_CALLS, f"{path.relative_to(ROOT)}:{node.lineno} calls {name}: " \
+                                                     "reduce through the step driver's Reduction"
+
+
+def test_the_runtime_takes_typed_parts():
+    """ElasticRuntime's constructor: at most 10 parameters, every one named (no **kwargs)."""
+    import inspect
+
+    from megatron_mecefo.elastic.runtime import ElasticRuntime
+
+    params = list(inspect.signature(ElasticRuntime.__init__).parameters.values())[1:]
+    assert len(params) <= 10, [p.name for p in params]
+    assert not [p.name for p in params if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
