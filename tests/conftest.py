@@ -33,3 +33,40 @@ def tiny_config(megatron_world):
     from tests.helpers import TINY
 
     return llama_config(**TINY)
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """`shared_run(name, args, run)`: `run()`'s CompletedProcess, computed once per test session for
+    (`name`, `args`) and read back by any other test (on any xdist worker) that asks for the same
+    run: the fault-free reference runs several tests compare against. A file lock serialises the
+    first computation; a failed run is not kept."""
+    import fcntl
+    import hashlib
+    import json
+    import subprocess
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' temp dirs sit in the session's
+        base = base.parent
+    root = base / "shared-runs"
+    root.mkdir(exist_ok=True)
+
+    def get(name, args, run):
+        # paths (a worker's checkout, a test's ds_config) do not make another run: `name` says what
+        # the files hold
+        flags = ["<path>" if os.sep in str(a) else str(a) for a in args]
+        key = f"{name}-{hashlib.sha256(json.dumps(flags).encode()).hexdigest()[:16]}"
+        with open(root / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            path = root / f"{key}.json"
+            if path.exists():
+                kept = json.loads(path.read_text())
+                return subprocess.CompletedProcess(kept["args"], kept["returncode"], kept["stdout"], kept["stderr"])
+            proc = run()
+            if proc.returncode == 0:
+                path.write_text(json.dumps({"args": [str(a) for a in proc.args], "returncode": proc.returncode,
+                                            "stdout": proc.stdout, "stderr": proc.stderr}))
+            return proc
+
+    return get

@@ -398,13 +398,17 @@ class ElasticRuntime:
         self._recover()
         return False
 
-    def regroup_after_commit(self, error: BaseException) -> None:
-        """A collective after the commit failed (the sharded optimizer's parameter gather): the step
-        stands, so regroup now at the next step; the new generation re-sends the parameters.
+    def after_optimizer_step(self) -> None:
+        """Call after the optimizer step of a committed step. If a collective after the commit
+        failed (the sharded optimizer's parameter gather: a peer died), the step stands; regroup now
+        at the next step, and the new generation re-sends the parameters.
 
         Raises:
             GaveUp: the failure cannot be absorbed (a shard of the optimizer state was lost).
         """
+        error = self.sharding.gather_error if self.sharding is not None else None
+        if error is None:
+            return
         self.report_error(error)
         self.events.write("gather_failed", step=self.step, error=str(error).splitlines()[0][:200])
         self.step += 1

@@ -232,9 +232,7 @@ class StepDriver:
             with self.runtime.replica_collectives(plan.step):
                 self.host.before_optimizer()
         self.optimizer_result = self.host.optimizer_step()
-        sharded = self.reduction.sharding
-        if sharded is not None and sharded.gather_error is not None:  # a peer died after the commit
-            self.runtime.regroup_after_commit(sharded.gather_error)
+        self.runtime.after_optimizer_step()  # a peer that died after the commit: regroup now
         return True
 
     def run(self, step: int, body: Callable[[StepPlan], T]) -> T:

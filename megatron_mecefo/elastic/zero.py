@@ -3,7 +3,7 @@ data-parallel group, each shard also held (current at every step) by the replica
 owner, and re-sharded from those holders when the generation changes.
 
     sharded = ShardedOptimizer(engine_optimizer)    # the innermost torch optimizer; its `step` is replaced
-    runtime = ElasticRuntime(..., sharding=sharded) # the runtime re-shards at every new generation
+    attach(..., sharding=sharded)        # the runtime re-shards at every new generation (elastic/attach.py)
 
 The flat range [0, numel) is the optimizer's parameters in param-group order; shards.py lays it out.
 A rank keeps, for its shard and its copy, the optimizer's per-element state (AdamW: exp_avg,
@@ -17,8 +17,8 @@ gradient of its shard and of its copy):
 - the owner updates its shard and the copy holder the copy, from the same gradient and state:
   bit-identical (a second update of 1/D of the parameters);
 - the updated shards are all-gathered (each rank receives (D-1)/D of the parameters).
-Knows tensors and a group, not the protocol: the runtime calls `regroup` / `install` and the
-reduction, the step driver reads `gather_error`.
+Knows tensors and a group, not the protocol: the runtime calls `regroup` / `install` and reads
+`gather_error` after the optimizer step; the step's reduction (reduction.py) reduce-scatters into it.
 
 The gather runs after the commit. If a peer dies in it, the step stands (every holder of every range
 took it): `gather_error` is set and the runtime regroups at once; `regroup` re-sends every range's

@@ -154,8 +154,7 @@ def main():
                 rt.fire("optimizer")
                 opt.step()
                 step += 1
-                if sharded is not None and sharded.gather_error is not None:  # a peer died after the commit
-                    rt.regroup_after_commit(sharded.gather_error)
+                rt.after_optimizer_step()  # a peer died after the commit (the parameter gather): regroup now
         return True
 
     if not run_to_exit(train):  # JobFinished: a restarted rank came back after the end

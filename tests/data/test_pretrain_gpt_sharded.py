@@ -36,9 +36,11 @@ def run(tmp_path, nproc, stage, *extra, launcher=(), expect=0, iters=8):
 
 
 @pytest.fixture(scope="module")
-def replicated(tmp_path_factory):
-    """The fault-free run with a replicated optimizer state: losses of iterations 1..8, validation."""
-    out = run(tmp_path_factory.mktemp("replicated"), 3, 0, *EXACT).stdout
+def replicated(tmp_path_factory, shared_run):
+    """The fault-free run with a replicated optimizer state: losses of iterations 1..8, validation
+    (once per session: xdist may run this module's tests on both workers)."""
+    tmp = tmp_path_factory.mktemp("replicated")
+    out = shared_run("sharded-replicated", [3, 0, *EXACT], lambda: run(tmp, 3, 0, *EXACT)).stdout
     return losses(out), valid_loss(out)
 
 

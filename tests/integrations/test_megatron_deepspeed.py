@@ -232,13 +232,22 @@ def _pipeline_engine_args(data, tmp_path, extra, zero_stage=0):
 
 
 _NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+
+
+def _upstream_pipeline_run(root, data, tmp_path, shared_run):
+    """The unpatched script's fault-free run of that pipeline under torchrun (ZeRO stage 0): shared."""
+    args = _pipeline_engine_args(data, tmp_path, _NO_DROPOUT)
+    return shared_run("mds-upstream-pipeline", args,
+                      lambda: mds.torchrun(root, 4, args, script="pretrain_gpt_upstream.py"))
+
+
 _EXACT = _NO_DROPOUT + ["--mecefo", "--no-mecefo-skip-attention", "--no-mecefo-lowrank-ffn",
                         "--mecefo-recompute-ffn", "never", "--mecefo-log-param-hash"]
 
 
 @pytest.mark.fault
 @pytest.mark.timeout(600)  # four 4-rank jobs in a row, each bounded by its own launcher timeout
-def test_pipeline_engine_absorbs_a_kill_a_rejoin_and_a_hung_lead(mds_checkout, tmp_path):
+def test_pipeline_engine_absorbs_a_kill_a_rejoin_and_a_hung_lead(mds_checkout, tmp_path, shared_run):
     """DeepSpeed's pipeline engine (GPTModelPipe, tied embeddings), P = 2 x D = 2: a replica is its
     two stages, and the engine's own schedule runs the plan's micro-batches inside it. With no
     failure the losses and validation losses are the unpatched run's under torchrun (to 1e-5). The
@@ -248,7 +257,7 @@ def test_pipeline_engine_absorbs_a_kill_a_rejoin_and_a_hung_lead(mds_checkout, t
     its replica leaves and the other one prints every line once. With the approximations off the
     losses are the fault-free ones throughout."""
     root, data = mds_checkout
-    upstream = mds.torchrun(root, 4, _pipeline_engine_args(data, tmp_path, _NO_DROPOUT), script="pretrain_gpt_upstream.py")
+    upstream = _upstream_pipeline_run(root, data, tmp_path, shared_run)
     free = mds.mecefo_launch(root, 4, _pipeline_engine_args(data, tmp_path, _EXACT))
     mds.assert_same_run(upstream, upstream, free, iters=12, evals=(5, 10))
     mds.check_pipeline_faults(lambda a, **kw: mds.mecefo_launch(root, 4, a, **kw),
@@ -257,12 +266,12 @@ def test_pipeline_engine_absorbs_a_kill_a_rejoin_and_a_hung_lead(mds_checkout, t
 
 
 @pytest.mark.fault
-def test_pipeline_engine_zero1_state_through_a_kill_after_the_commit(mds_checkout, tmp_path):
+def test_pipeline_engine_zero1_state_through_a_kill_after_the_commit(mds_checkout, tmp_path, shared_run):
     """The same pipeline with ds_config stage 1 (the optimizer state sharded over the replicas per
     stage): the last stage of replica 1 killed after step 4's commit; the losses are the unpatched
     run's, and every step's records hold the whole global batch on identical stages."""
     root, data = mds_checkout
-    upstream = mds.torchrun(root, 4, _pipeline_engine_args(data, tmp_path, _NO_DROPOUT), script="pretrain_gpt_upstream.py")
+    upstream = _upstream_pipeline_run(root, data, tmp_path, shared_run)
     sharded = mds.mecefo_launch(root, 4, _pipeline_engine_args(
         data, tmp_path, _EXACT + ["--mecefo-log-dir", str(tmp_path / "sharded"), "--mecefo-inject", "kill:3:4:optimizer"],
         zero_stage=1))

@@ -52,7 +52,13 @@ def test_kill_is_absorbed_exactly_with_approximations_off(mlm_checkout, tmp_path
 
 
 @pytest.mark.fault
-def test_distributed_optimizer_is_sharded_through_a_kill_a_rejoin_and_a_hang(mlm_checkout, tmp_path):
+def _exact_3_replicas(mlm_checkout, shared_run):
+    """The fault-free exact run on 3 replicas, 12 iterations (replicated state, no overlap): shared."""
+    args = mlm.args(dp=3, iters=12, extra=EXACT)
+    return shared_run("mlm-exact-dp3", args, lambda: mlm.mecefo_launch(mlm_checkout, 3, args))
+
+
+def test_distributed_optimizer_is_sharded_through_a_kill_a_rejoin_and_a_hang(mlm_checkout, tmp_path, shared_run):
     """`--use-distributed-optimizer` with 3 replicas: the optimizer state is sharded over them, each
     shard also on its covering neighbour. Rank 1 is SIGKILLed after step 4's commit (the others'
     parameter gather fails; its shard's update lives on in rank 2's copy) and restarted: it rejoins
@@ -61,7 +67,7 @@ def test_distributed_optimizer_is_sharded_through_a_kill_a_rejoin_and_a_hang(mlm
     of iteration 10 holds the shards beside upstream's files; `--load` resumes it on 2 replicas
     with the fault-free run's losses, and refuses it (exit 2) without the flag. A rank hung in the
     gradient reduction (the reduce-scatter) of step 4 is covered with the same losses."""
-    free = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT))
+    free = _exact_3_replicas(mlm_checkout, shared_run)
     assert free.returncode == 0, free.stdout[-4000:]
     ckpt, log_dir = tmp_path / "ckpt", tmp_path / "log"
     sharded = _sharded_kill_and_rejoin(mlm_checkout, EXACT, ckpt, log_dir)
@@ -203,7 +209,7 @@ def test_virtual_pipeline_stages_fold_exactly(mlm_checkout, tmp_path):
 
 
 @pytest.mark.fault
-def test_overlapped_reduction_in_upstreams_buckets(mlm_checkout, tmp_path):
+def test_overlapped_reduction_in_upstreams_buckets(mlm_checkout, tmp_path, shared_run):
     """`--overlap-grad-reduce` with small buckets (`--ddp-bucket-size`): upstream's DDP hooks decide
     when a bucket is complete in the last micro-batch's backward, and the runtime's cross-replica
     all-reduce of that bucket starts then. 3 replicas, approximations off: the losses are those of
@@ -214,7 +220,7 @@ def test_overlapped_reduction_in_upstreams_buckets(mlm_checkout, tmp_path):
     buckets holding attention weights (whose gradients never arrive) are launched at the end of the
     backward, in the same order as rank 0's, and the run equals the same kill without overlap."""
     overlap = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
-    plain = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT))
+    plain = _exact_3_replicas(mlm_checkout, shared_run)
     assert plain.returncode == 0, plain.stdout[-4000:]
     want = mds.losses(plain.stdout)
     log_dir = tmp_path / "log"
