@@ -1,4 +1,4 @@
-"""MeCeFO for a DeepSpeed engine: the only module that imports deepspeed.
+"""MeCeFOEngine: a DeepSpeed engine as the host of MeCeFO's step driver (elastic/step.py).
 
     from megatron_mecefo.deepspeed_hook import initialize
     engine = initialize(model=model, config=ds_config, args=args)        # like deepspeed.initialize
@@ -9,8 +9,9 @@
             engine.step()                                                 # boundary: reduce, commit, optimizer
 
 `engine.backward(); engine.step()` keep their meaning: `step()` after the last micro-batch of the
-plan is the accumulation boundary. There the MeCeFO runtime all-reduces the gradients with the fold
-weights among the live replicas, and all of them take the optimizer step or none does; on a peer
+plan is the accumulation boundary. There the step's reduction (elastic/reduction.py) reduces the
+gradients with the fold's divisors among the live replicas, and all of them take the optimizer step
+or none does; on a peer
 failure the survivors regroup and `global_steps` stays, so the loop redoes the step.
 
 How the frameworks see the job (why): DeepSpeed and Megatron cache their process groups, and a
@@ -30,8 +31,11 @@ backward run through Megatron-Core's schedules (`train_step`, 1F1B with P > 1), 
 clipped over the replica's model-parallel ranks (schedule.clip_grad_norm), and a failed collective
 inside the replica raises ReplicaLost: the whole replica leaves and rejoins once restarted.
 
+The package around it: what a ds_config means under MeCeFO (ds_config.py), DeepSpeed's pipeline
+engine (pipeline.py), `initialize` and `wrap_engine` (initialize.py, through elastic/attach.py).
+
 Scope: ZeRO-0 and 1, fp32 on gloo (tested), bf16 with stage 1 (tested on CPU; stage 1 runs without
-DeepSpeed's bf16 wrapper: `bf16_parameters`). On CUDA the
+DeepSpeed's bf16 wrapper: `ds_config.bf16_parameters`). On CUDA the
 runtime's groups use NCCL with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 and communicator abort, following
 PyTorch's documented APIs; that path is untested here (no GPU in CI).
 """

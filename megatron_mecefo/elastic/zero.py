@@ -3,7 +3,7 @@ data-parallel group, each shard also held (current at every step) by the replica
 owner, and re-sharded from those holders when the generation changes.
 
     sharded = ShardedOptimizer(engine_optimizer)    # the innermost torch optimizer; its `step` is replaced
-    attach(..., sharding=sharded)        # the runtime re-shards at every new generation (elastic/attach.py)
+    attach(..., sharding=sharded)                   # the runtime re-shards at every new generation (elastic/attach.py)
 
 The flat range [0, numel) is the optimizer's parameters in param-group order; shards.py lays it out.
 A rank keeps, for its shard and its copy, the optimizer's per-element state (AdamW: exp_avg,
