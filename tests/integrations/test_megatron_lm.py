@@ -51,13 +51,13 @@ def test_kill_is_absorbed_exactly_with_approximations_off(mlm_checkout, tmp_path
     assert all(len(r["micro_batches"]) == 4 for s in mds.step_records(tmp_path / "killed").values() for r in s if r["step"] >= 4)
 
 
-@pytest.mark.fault
 def _exact_3_replicas(mlm_checkout, shared_run):
     """The fault-free exact run on 3 replicas, 12 iterations (replicated state, no overlap): shared."""
     args = mlm.args(dp=3, iters=12, extra=EXACT)
     return shared_run("mlm-exact-dp3", args, lambda: mlm.mecefo_launch(mlm_checkout, 3, args))
 
 
+@pytest.mark.fault
 def test_distributed_optimizer_is_sharded_through_a_kill_a_rejoin_and_a_hang(mlm_checkout, tmp_path, shared_run):
     """`--use-distributed-optimizer` with 3 replicas: the optimizer state is sharded over them, each
     shard also on its covering neighbour. Rank 1 is SIGKILLed after step 4's commit (the others'
