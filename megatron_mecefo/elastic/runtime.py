@@ -45,8 +45,8 @@ from megatron_mecefo.elastic.membership import Agreement, Membership
 from megatron_mecefo.elastic.replica import mark_started
 from megatron_mecefo.elastic.topology import CoverMap, Grid, ring_cover
 from megatron_mecefo.elastic.transfer import broadcast_state, decode_state
-from megatron_mecefo.errors import (RETIRED_EXIT_CODE, GaveUp, exit_now, IncompleteStep, JobAborted, JobFinished, MeCeFOError,
-                                    NoCoverAvailable, NotAMember, ReplicaLost)
+from megatron_mecefo.errors import (RETIRED_EXIT_CODE, GaveUp, IncompleteStep, JobAborted, JobFinished, MeCeFOError,
+                                    NoCoverAvailable, NotAMember, ReplicaLost, exit_now)
 from megatron_mecefo.log import EventLog, RankPrefix
 
 __all__ = ["ElasticRuntime", "StateHooks", "StepPlan"]
