@@ -5,7 +5,8 @@ Start at step.py: its docstring walks one step, healthy and with a peer dying in
 * attach.py     the composition root: a host joins the job and gets its StepDriver
 * step.py       StepDriver: the one training step of every host (plan, covering, reduce, commit, redo)
 * reduction.py  the step's reduction across replicas: flat, sharded, or overlapped in buckets
-* runtime.py    ElasticRuntime: generations, the error latch, the commit, recovery and give-up
+* runtime.py    ElasticRuntime: the error latch, the commit, recovery and give-up
+* formation.py  forming a generation: agree, build the groups, re-shard, hand joiners the state
 * membership.py heartbeats, agreement on members, the per-step commit decision (store-backed)
 * groups.py     data-parallel process groups per generation
 * topology.py   pure: rank grid, ring neighbour, cover map

@@ -38,15 +38,16 @@ from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.elastic import groups, holds
 from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.elastic.budget import StepBudget
-from megatron_mecefo.elastic.fold import Fold, fold_neighbor
+from megatron_mecefo.elastic.fold import Fold
+from megatron_mecefo.elastic.formation import Formation
 from megatron_mecefo.elastic.give_up import write_checkpoint
 from megatron_mecefo.elastic.inject import FaultInjector
-from megatron_mecefo.elastic.membership import Agreement, Membership
+from megatron_mecefo.elastic.membership import Membership
 from megatron_mecefo.elastic.replica import mark_started
-from megatron_mecefo.elastic.topology import CoverMap, Grid, ring_cover
-from megatron_mecefo.elastic.transfer import broadcast_state, decode_state
-from megatron_mecefo.errors import (RETIRED_EXIT_CODE, GaveUp, IncompleteStep, JobAborted, JobFinished, MeCeFOError,
-                                    NoCoverAvailable, NotAMember, ReplicaLost, exit_now)
+from megatron_mecefo.elastic.topology import CoverMap, Grid
+from megatron_mecefo.elastic.transfer import decode_state
+from megatron_mecefo.errors import (RETIRED_EXIT_CODE, GaveUp, IncompleteStep, JobAborted, MeCeFOError, NotAMember,
+                                    ReplicaLost, exit_now)
 from megatron_mecefo.log import EventLog, RankPrefix
 
 __all__ = ["ElasticRuntime", "StateHooks", "StepPlan"]
@@ -142,12 +143,9 @@ class ElasticRuntime:
                              "a sharded optimizer (ZeRO stage 1, --use-distributed-optimizer) reduces each rank's "
                              'range only: use "weight" or "activation" there')
         store_host, store_port = job.master_addr, job.master_port
-        self.position = self.grid.position(rank)
         self.k = micro_batches
         self.incarnation = incarnation
         self.injector = injector
-        self.backend = backend
-        self._timeout = timedelta(seconds=config.collective_timeout_s)
         timeout = timedelta(seconds=config.agree_timeout_s)
         self.store, self.job_id = job_store.attach(store_host, store_port, rank=rank, incarnation=incarnation,
                                                    job_id=job.job_id, timeout=timeout)
@@ -176,7 +174,7 @@ class ElasticRuntime:
         self._budget = budget or StepBudget.for_config(config, micro_batches)
         self._issued: tuple = ()  # the micro-batches plan() handed out for this step
         state = state or StateHooks()
-        self._get_state, self._set_state = state.get, state.set
+        self._set_state = state.set
         self._save = state.save_checkpoint
         self.sharding = sharding
         self._save_shards = state.save_shards
@@ -190,6 +188,9 @@ class ElasticRuntime:
         self.events = EventLog(os.path.join(log_dir, f"events_rank{rank}.jsonl") if log_dir else None, rank=rank)
         self.steps_log = EventLog(os.path.join(log_dir, f"steps_rank{rank}.jsonl") if log_dir else None, rank=rank)
         self.injector.events = self.events
+        self._formation = Formation(config, self.grid, rank, self.store, self.membership, injector, self.events,
+                                    self.log, micro_batches=micro_batches, sharding=sharding, get_state=state.get,
+                                    backend=backend)
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -224,12 +225,7 @@ class ElasticRuntime:
                 self._has_state = False
                 self.log.warning("not in the first generation; joining at the next step boundary")
         t0 = time.monotonic()
-        holds.wait_for_rejoin_step(self.injector.trace, self.rank, self.incarnation, self.store, self.membership,
-                                   deadline=self._t_start + self.cfg.join_timeout_s)
-        self.store.set(f"rejoining/{self.rank}/{self.incarnation}", "1")  # what "hold" rules wait for
-        generation = self.membership.request_join(self._t_start + self.cfg.join_timeout_s)
-        self.injector.maybe_fire(int(self.store.add("job/progress", 0)), "join")
-        candidates = [int(x) for x in self.store.get(f"gen{generation}/candidates").decode().split(",")]
+        generation, candidates = self._formation.request_join(self.incarnation, self._t_start + self.cfg.join_timeout_s)
         self._regroup(generation, candidates)
         self.rejoined = True
         self.events.write("rejoined", generation=self.generation, step=self.step, wait_s=time.monotonic() - t0)
@@ -432,95 +428,27 @@ class ElasticRuntime:
 
     def _regroup(self, generation: int, candidates: Sequence[int], detected_at: Optional[float] = None,
                  t_start: Optional[float] = None) -> None:
-        """Agree on, build and (with joiners) hand the state to the next generation.
-
-        A generation is usable only once every member's group is built and every joiner holds the
-        state (one outcome for all members, `Membership.formed`); if either fails (a member died
-        after the agreement, the donor died mid-transfer), nobody trains in it and the same
-        candidates agree on the next generation. Joiners still without state are joiners again there.
-        """
+        """Form the next generation (formation.py) and install it."""
         t0 = t_start or time.monotonic()
-        while True:
-            agreed = self.membership.agree(generation, candidates, self.step if self._has_state else None)
-            if generation > 0:
-                self.injector.maybe_fire(agreed.step, "recovery")
-            t_agreed = time.monotonic()
-            try:
-                cover = ring_cover(self.grid, agreed.members)
-            except NoCoverAvailable as e:
-                err = NoCoverAvailable(
-                    f"[gen {generation} rank {self.rank} step {agreed.step}] {e}. Survivors: {list(agreed.members)}. "
-                    "Restart the job from the checkpoint with the surviving nodes, or add nodes."
-                )
-                err.members = list(agreed.members)
-                raise err from None
-            group, payload = None, None
-            peers = self._peers(agreed.members)
-            # a member that saw this generation fail says so (abort_step): the others stop waiting on
-            # it at once, not after the collective timeout, and check in for the next one in time
-            failed = lambda g=generation: self.membership.not_formed(g)  # noqa: E731
-            try:
-                group = groups.build_dp_group(self.store, generation, peers, self.rank, self._timeout, self.backend,
-                                              tag=self._tag())
-                if self.sharding is not None:  # first: it re-sends the parameters the joiners' state then holds
-                    sharded = self.sharding.regroup(group, peers, [self.grid.replica_of(r) for r in peers],
-                                                    [r for r in peers if r not in agreed.joiners], self.rank,
-                                                    replicas_total=self.grid.dp,
-                                                    midway=lambda: self.injector.maybe_fire(agreed.step, "reshard"),
-                                                    should_abort=failed)
-                if agreed.joiners:
-                    payload = self._transfer_state(group, agreed, peers, failed)
-                if not self.membership.formed(generation, agreed.members):
-                    raise MeCeFOError("another member's group or state transfer failed")
-            except (GaveUp, JobFinished):  # JobAborted, or a shard of the optimizer state lost
-                groups.destroy_group(group)
-                raise
-            except Exception as e:  # a member died after the agreement or during the transfer
-                groups.destroy_group(group)
-                self.membership.abort_step(generation, agreed.step)
-                self.log.warning("generation %d could not form (%s); agreeing again", generation,
-                                 str(e).splitlines()[0][:120])
-                self.events.write("regroup_failed", generation=generation, step=agreed.step, members=list(agreed.members),
-                                  joiners=list(agreed.joiners), reason=str(e).splitlines()[0][:200])
-                generation, candidates = generation + 1, agreed.members
-                continue
-            break
-        if payload is not None:
-            self._load_state(payload, agreed.step)
-        if self.sharding is not None:
-            self.sharding.install(sharded)
-            lost = [list(r) for r in self.sharding.last_reshard.lost]
-            if lost:  # on_shard_loss "reinit": these ranges' moments and step count restarted
-                self.log.warning("optimizer state %s had no live holder: rebuilt (moments and step restarted)", lost)
-                self.events.write("shard_reinit", generation=generation, step=agreed.step, ranges=lost,
-                                  elements=sum(b - a for a, b in lost), of=self.sharding.numel)
-        self.group, self.generation, self.members, self._cover = group, generation, list(agreed.members), cover
-        self.step = agreed.step
-        approximate = self.cfg.approximate if self.cfg.approximations_on else "none"
-        self._fold = fold_neighbor(cover, self.k, approximate=approximate, skip_attention=self.cfg.skip_attention,
-                                      attention_floor=self.cfg.attention_floor)
-        t_done = time.monotonic()
-        now = time.time()
+        new = self._formation.form(generation, candidates, self.step if self._has_state else None)
+        if new.state is not None:
+            self._load_state(new.state, new.step)
+        self.group, self.generation, self.members = new.group, new.number, list(new.members)
+        self._cover, self._fold, self.step = new.cover, new.fold, new.step
+        t_done, now = time.monotonic(), time.time()
         self.events.write(
-            "regroup", generation=generation, step=self.step, members=self.members,
-            cover={str(k): v for k, v in cover.cover.items()}, joiners=list(agreed.joiners),
+            "regroup", generation=self.generation, step=self.step, members=self.members,
+            cover={str(k): v for k, v in new.cover.cover.items()}, joiners=list(new.joiners),
             detected_at=self._detected_wall if detected_at else None,
-            agreed_at=now - (t_done - t_agreed), regrouped_at=now,
+            agreed_at=now - (t_done - new.t_agreed), regrouped_at=now,
             detect_to_recover_s=(t0 - detected_at) if detected_at else None,
-            agree_s=t_agreed - t0, regroup_s=t_done - t_agreed,
+            agree_s=new.t_agreed - t0, regroup_s=t_done - new.t_agreed,
         )
-        if generation > 0:
-            self.log.warning("generation %d: members %s, cover %s", generation, self.members, cover.cover or "none")
+        if self.generation > 0:
+            self.log.warning("generation %d: members %s, cover %s", self.generation, self.members,
+                             new.cover.cover or "none")
         if self.grid.tp * self.grid.pp > 1:
-            self.membership.watch_exclusion(generation, self._excluded)
-
-    def _peers(self, members: Sequence[int]) -> List[int]:
-        """The members at this rank's (tp, pp) position: its data-parallel group."""
-        return [r for r in members if self.grid.position(r) == self.position]
-
-    def _tag(self) -> str:
-        tp_rank, pp_rank = self.position
-        return f"t{tp_rank}p{pp_rank}"
+            self.membership.watch_exclusion(self.generation, self._excluded)
 
     def _excluded(self, generation: int, members: list) -> None:
         """Heartbeat thread: a later generation was agreed without this rank (its replica lost a rank,
@@ -529,16 +457,6 @@ class ElasticRuntime:
         self.events.write("retired", generation=generation, members=members)
         exit_now(RETIRED_EXIT_CODE, f"[mecefo] rank {self.rank}: generation {generation} was agreed without this "
                  f"rank (members {members}): its replica is out of the job; leaving so the launcher restarts it")
-
-    def _transfer_state(self, group, agreed: Agreement, peers: Sequence[int],
-                        should_abort: Callable[[], bool]) -> Optional[bytes]:
-        """The lowest state holder at this position broadcasts its training state (its shard) over
-        the position's group; returns the bytes on joiners."""
-        donor = min(r for r in agreed.holders if r in peers)
-        payload = broadcast_state(group, peers, self.rank, donor, self._get_state or (lambda: None), step=self.step,
-                                  midway=lambda: self.injector.maybe_fire(agreed.step, "transfer"),
-                                  should_abort=should_abort)
-        return payload if self.rank in agreed.joiners else None
 
     def _load_state(self, payload: bytes, step: int) -> None:
         user = decode_state(payload, step=step, rank=self.rank)

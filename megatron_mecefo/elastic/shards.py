@@ -5,8 +5,8 @@ generation changes.
 Per (tp, pp) position the optimizer state (fp32 master parameters where the host keeps them, the
 moments) is one flat range [0, numel). A generation's live replicas split it into contiguous,
 balanced shards in replica order. With `shard_redundancy: "neighbour"` each replica also holds a
-copy of the shard of the previous live replica on the ring: the one it covers when that replica
-fails alone (topology.ring_cover), so the replica that takes over a failed rank's micro-batches
+copy of the shard of the previous live replica on the ring (topology.ring_after): the one it
+covers when that replica fails alone (topology.ring_cover), so the replica that takes over a failed rank's micro-batches
 already holds its optimizer state.
 
 On a new generation every shard and copy of the new layout comes from a replica that still holds
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Dict, Iterable, List, Optional, Tuple
+
+from megatron_mecefo.elastic.topology import ring_after
 
 __all__ = ["shard_bounds", "ShardLayout", "Move", "Reshard", "reshard"]
 
@@ -63,13 +65,13 @@ class ShardLayout:
         """Whose shard `replica` holds a copy of: the previous live replica on the ring (None: no copy)."""
         if not self.neighbour_copy or len(self.live) < 2:
             return None
-        return self.live[self.live.index(replica) - 1]
+        return ring_after(self.live, replica)[-1]
 
     def copy_holder(self, owner: int) -> Optional[int]:
         """Who holds a copy of `owner`'s shard: the next live replica on the ring (None: nobody)."""
         if not self.neighbour_copy or len(self.live) < 2:
             return None
-        return self.live[(self.live.index(owner) + 1) % len(self.live)]
+        return ring_after(self.live, owner)[0]
 
     def held(self, replica: int) -> Dict[str, Range]:
         """What `replica` keeps: its "shard" and, with redundancy, the "copy" of its predecessor's."""

@@ -39,7 +39,7 @@ D replicas of T * P ranks each):
 3. Agreement (`runtime._recover`, membership.agree): the survivors destroy the generation's group
    and check in for generation g+1; the lowest live rank publishes the members. A failure during
    the agreement restarts it, not the job.
-4. Regroup (`runtime._regroup`): a data-parallel group per (tp, pp) position over the store's
+4. Regroup (formation.py, `Formation.form`): a data-parallel group per (tp, pp) position over the store's
    `gen{g+1}` prefix (groups.py); a sharded optimizer state re-sharded over the survivors from the
    neighbour copies (zero.py); the new cover map (topology.ring_cover: rank 3's replica's ring
    neighbour adopts it) and fold (fold.py: which micro-batches each replica runs, in which mode,

@@ -19,7 +19,7 @@ from typing import Dict, FrozenSet, Iterable, List, Tuple
 
 from megatron_mecefo.errors import NoCoverAvailable
 
-__all__ = ["Grid", "CoverMap", "ring_cover"]
+__all__ = ["Grid", "CoverMap", "ring_after", "ring_cover"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +109,14 @@ class CoverMap:
         return cls(grid, tuple(data["live"]), {int(k): int(v) for k, v in data["cover"].items()})
 
 
+def ring_after(live: Iterable[int], replica: int) -> List[int]:
+    """The ring's order seen from `replica`: the live replicas after it, going round (itself left
+    out). The one neighbour rule: who covers a failed replica (ring_cover) and who holds a copy of a
+    replica's optimizer shard (shards.ShardLayout) both read it."""
+    live = sorted(live)
+    return [r for r in live if r > replica] + [r for r in live if r < replica]
+
+
 def ring_cover(grid: Grid, live_ranks: Iterable[int]) -> CoverMap:
     """The cover map for the ranks in `live_ranks`.
 
@@ -123,12 +131,10 @@ def ring_cover(grid: Grid, live_ranks: Iterable[int]) -> CoverMap:
     cover: Dict[int, int] = {}
     busy = set()
     for f in failed:
-        for step in range(1, grid.dp):
-            candidate = (f + step) % grid.dp
-            if candidate in live and candidate not in busy:
-                cover[f] = candidate
-                busy.add(candidate)
-                break
+        free = [r for r in ring_after(live, f) if r not in busy]
+        if free:
+            cover[f] = free[0]
+            busy.add(free[0])
         else:
             raise NoCoverAvailable(
                 f"replica {f} has no healthy neighbour left: {len(failed)} of {grid.dp} replicas failed "
