@@ -158,6 +158,7 @@ class Checkouts:
                 data = root.parent / "data" / "corpus_text_document"
                 data.parent.mkdir()
                 mds.write_dataset(root, data)
+                mds.prepare(root)
                 self._roots[host] = (root, data)
             else:
                 root = mds.extract(mlm.SNAPSHOT_GLOB, self.work / "mlm" / "Megatron-LM")

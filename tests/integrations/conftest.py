@@ -19,6 +19,7 @@ def mds_checkout(tmp_path_factory):
     data = root.parent / "data" / "corpus_text_document"
     data.parent.mkdir()
     mds.write_dataset(root, data)
+    mds.prepare(root)
     return root, data
 
 

@@ -48,23 +48,32 @@ def test_kill_is_absorbed_exactly_with_approximations_off(mds_checkout, tmp_path
     mds.check_whole_and_identical(tmp_path / "killed", dp=2, k=2, iters=10)
 
 
+_EXACT_FLAGS = ["--attention-dropout", "0", "--hidden-dropout", "0", "--mecefo", "--no-mecefo-skip-attention",
+                "--no-mecefo-lowrank-ffn", "--mecefo-recompute-ffn", "never", "--mecefo-log-param-hash"]
+
+
+def _exact_3_replicas(root, data, tmp_path, shared_run):
+    """The fault-free exact run on 3 replicas, 12 iterations (replicated state, no overlap): shared."""
+    args = mds.args(data, tmp_path / "ds-exact3.json", dp=3, iters=12, extra=_EXACT_FLAGS)
+    return shared_run("mds-exact-dp3", args, lambda: mds.mecefo_launch(root, 3, args))
+
+
 @pytest.mark.fault
-def test_overlapped_reduction_from_ds_config(mds_checkout, tmp_path):
+def test_overlapped_reduction_from_ds_config(mds_checkout, tmp_path, shared_run):
     """ds_config "zero_optimization": {"overlap_comm": true, "reduce_bucket_size": 20000} with 3
     replicas: the runtime's all-reduce runs in buckets during the last micro-batch's backward (all
     of them launched there in a healthy step), rank 1 SIGKILLed as it launches its first bucket of
     step 4, and the losses stay those of the reduction after the backward."""
     root, data = mds_checkout
-    exact = ["--attention-dropout", "0", "--hidden-dropout", "0", "--mecefo", "--no-mecefo-skip-attention",
-             "--no-mecefo-lowrank-ffn", "--mecefo-recompute-ffn", "never"]
-    plain = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds0.json", dp=3, extra=exact))
+    plain = _exact_3_replicas(root, data, tmp_path, shared_run)
     assert plain.returncode == 0, plain.stdout[-4000:]
-    killed = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds1.json", dp=3, overlap_bucket=20000, extra=exact + [
-        "--mecefo-log-dir", str(tmp_path / "logs"), "--mecefo-inject", "kill:1:4:allreduce"]))
+    killed = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds1.json", dp=3, iters=12, overlap_bucket=20000,
+                                                 extra=_EXACT_FLAGS + ["--mecefo-log-dir", str(tmp_path / "logs"),
+                                                                       "--mecefo-inject", "kill:1:4:allreduce"]))
     assert killed.returncode == 0, killed.stdout[-4000:]
     assert "generation 1: members [0, 2], cover {1: 2}" in killed.stdout
     want, got = mds.losses(plain.stdout), mds.losses(killed.stdout)
-    assert sorted(got) == sorted(want) == list(range(1, 11))
+    assert sorted(got) == sorted(want) == list(range(1, 13))
     for it in want:
         assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
     records = [json.loads(line) for line in (tmp_path / "logs" / "steps_rank0.jsonl").read_text().splitlines()]
@@ -73,7 +82,7 @@ def test_overlapped_reduction_from_ds_config(mds_checkout, tmp_path):
 
 
 @pytest.mark.fault
-def test_sharded_optimizer_state_through_a_kill_after_the_commit(mds_checkout, tmp_path):
+def test_sharded_optimizer_state_through_a_kill_after_the_commit(mds_checkout, tmp_path, shared_run):
     """ds_config "zero_optimization.stage": 1 with 3 replicas: the optimizer state is sharded over
     them, each shard also on its covering neighbour. Rank 1 is SIGKILLed after step 4's commit
     (the others' parameter gather fails; its shard's update lives on in rank 2's copy), restarted,
@@ -82,9 +91,8 @@ def test_sharded_optimizer_state_through_a_kill_after_the_commit(mds_checkout, t
     bit-identical; the checkpoint of iteration 10 holds the shards beside upstream's files, and
     `--load` resumes it on 2 replicas with the fault-free run's losses."""
     root, data = mds_checkout
-    exact = ["--attention-dropout", "0", "--hidden-dropout", "0", "--mecefo", "--no-mecefo-skip-attention",
-             "--no-mecefo-lowrank-ffn", "--mecefo-recompute-ffn", "never", "--mecefo-log-param-hash"]
-    free = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds0.json", dp=3, iters=12, extra=exact))
+    exact = _EXACT_FLAGS
+    free = _exact_3_replicas(root, data, tmp_path, shared_run)
     assert free.returncode == 0, free.stdout[-4000:]
     ckpt = tmp_path / "ckpt"
     sharded = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds1.json", dp=3, iters=12, zero_stage=1, extra=exact + [
