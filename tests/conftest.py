@@ -70,3 +70,31 @@ def shared_run(tmp_path_factory):
             return proc
 
     return get
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-times", metavar="FILE", default=None,
+                     help="append each test's wall time and CPU seconds (its own and its ended processes') to "
+                          "FILE, one JSON line per test: the suite is bound by CPU, so this is what a test costs")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    out = item.config.getoption("--cpu-times")
+    if not out:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu(who):
+        r = resource.getrusage(who)
+        return r.ru_utime + r.ru_stime
+
+    own, ended, t0 = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN), time.time()
+    yield
+    with open(out, "a") as f:  # short appends: the xdist workers share the file
+        f.write(json.dumps({"test": item.nodeid, "wall_s": round(time.time() - t0, 2),
+                            "cpu_s": round(cpu(resource.RUSAGE_SELF) - own + cpu(resource.RUSAGE_CHILDREN) - ended, 2)})
+                + "\n")

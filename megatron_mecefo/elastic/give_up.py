@@ -1,6 +1,8 @@
 """The checkpoint a job writes when it gives up: one whole replica writes it (every rank of it its
 shard), the first to get here that holds the state of the last committed step; the store records
-where it is. A replica that lost a rank holds only some shards and writes nothing."""
+where it is. A replica that lost a rank holds only some shards and writes nothing. A sharded
+optimizer state is written by every rank that holds some of it (its own ranges), whichever
+replica writes the rest."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Callable, Optional, Sequence
 
 from megatron_mecefo.elastic.topology import Grid
 
-__all__ = ["write_checkpoint"]
+__all__ = ["GiveUpCheckpoint", "write_checkpoint"]
 
 
 def write_checkpoint(store, grid: Grid, rank: int, *, step: int, has_state: bool,
@@ -39,3 +41,25 @@ def write_checkpoint(store, grid: Grid, rank: int, *, step: int, has_state: bool
     except Exception as e:  # the give-up must not hang or mask the reason
         log.error("could not write the give-up checkpoint: %s", e)
         return None
+
+
+class GiveUpCheckpoint:
+    """This rank's part of the give-up checkpoint. `save`: () -> path, the host's checkpoint of the
+    last committed step (None: none); `save_shards`: writes this rank's ranges of a sharded
+    optimizer state (`sharding`) beside it."""
+
+    def __init__(self, store, grid: Grid, rank: int, *, save: Optional[Callable[[], str]],
+                 save_shards: Optional[Callable[[], None]], sharding, log: logging.LoggerAdapter) -> None:
+        self.store, self.grid, self.rank, self.log = store, grid, rank, log
+        self._save, self._save_shards, self._sharding = save, save_shards, sharding
+
+    def write(self, step: int, *, has_state: bool, survivors: Optional[Sequence[int]]) -> Optional[str]:
+        """Write what this rank holds of the checkpoint of `step`; returns the checkpoint's path if
+        this rank's replica wrote it (see write_checkpoint)."""
+        if self._save_shards is not None and has_state and self._sharding.layout is not None:
+            try:  # every holder writes its own ranges of the sharded optimizer state
+                self._save_shards()
+            except Exception as e:
+                self.log.error("could not write this rank's optimizer shards: %s", e)
+        return write_checkpoint(self.store, self.grid, self.rank, step=step, has_state=has_state, save=self._save,
+                                survivors=survivors, log=self.log)

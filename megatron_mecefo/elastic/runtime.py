@@ -40,7 +40,7 @@ from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.elastic.budget import StepBudget
 from megatron_mecefo.elastic.fold import Fold
 from megatron_mecefo.elastic.formation import Formation
-from megatron_mecefo.elastic.give_up import write_checkpoint
+from megatron_mecefo.elastic.give_up import GiveUpCheckpoint
 from megatron_mecefo.elastic.inject import FaultInjector
 from megatron_mecefo.elastic.membership import Membership
 from megatron_mecefo.elastic.replica import mark_started
@@ -175,9 +175,7 @@ class ElasticRuntime:
         self._issued: tuple = ()  # the micro-batches plan() handed out for this step
         state = state or StateHooks()
         self._set_state = state.set
-        self._save = state.save_checkpoint
         self.sharding = sharding
-        self._save_shards = state.save_shards
         self._has_state = False
         """True once this rank holds the training state of self.step: every rank of generation 0,
         a joiner once it has received the state. A rank without it never trains or votes."""
@@ -191,6 +189,8 @@ class ElasticRuntime:
         self._formation = Formation(config, self.grid, rank, self.store, self.membership, injector, self.events,
                                     self.log, micro_batches=micro_batches, sharding=sharding, get_state=state.get,
                                     backend=backend)
+        self._checkpoint = GiveUpCheckpoint(self.store, self.grid, rank, save=state.save_checkpoint,
+                                            save_shards=state.save_shards, sharding=sharding, log=self.log)
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -482,13 +482,7 @@ class ElasticRuntime:
         reason = str(error).splitlines()[0]
         if not isinstance(error, JobAborted):
             self.log.error("giving up: %s", reason)
-        if self._save_shards is not None and self._has_state and self.sharding.layout is not None:
-            try:  # every holder writes its own ranges of the sharded optimizer state
-                self._save_shards()
-            except Exception as e:
-                self.log.error("could not write this rank's optimizer shards: %s", e)
-        ckpt = write_checkpoint(self.store, self.grid, self.rank, step=self.step, has_state=self._has_state,
-                                save=self._save, survivors=getattr(error, "members", None), log=self.log)
+        ckpt = self._checkpoint.write(self.step, has_state=self._has_state, survivors=getattr(error, "members", None))
         error.checkpoint = ckpt
         try:
             self.membership.mark_failed(reason, generation=self.generation, step=self.step)
