@@ -12,6 +12,8 @@ Start at step.py: its docstring walks one step, healthy and with a peer dying in
 * topology.py   pure: rank grid, ring neighbour, cover map
 * fold.py       pure: micro-batches per replica, gradient divisors, sample ranges
 * budget.py     pure: the covering budget's count of exact own micro-batches
+* holds.py      waits keyed to restarted ranks ("hold" rules, a trace's rejoin steps)
+* give_up.py    the give-up checkpoint: one whole replica writes it, every holder its shards
 * gradients.py, shard_grads.py  the reduction's arithmetic (all-reduce / reduce-scatter, divisors)
 * zero.py, shards.py  the sharded optimizer state, its layout and re-shard; transfer.py: a joiner's state
 * inject.py     FaultInjector: kill / hang at (rank, step, phase, incarnation); traces
