@@ -11,6 +11,7 @@ Start at step.py: its docstring walks one step, healthy and with a peer dying in
 * groups.py     data-parallel process groups per generation
 * topology.py   pure: rank grid, ring neighbour, cover map
 * fold.py       pure: micro-batches per replica, gradient divisors, sample ranges
+* cover_plan.py pure: the cover planner ("neighbour", "spread"): who runs which lost micro-batch, in which mode
 * budget.py     pure: the covering budget's count of exact own micro-batches
 * holds.py      waits keyed to restarted ranks ("hold" rules, a trace's rejoin steps)
 * give_up.py    the give-up checkpoint: one whole replica writes it, every holder its shards

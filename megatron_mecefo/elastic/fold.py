@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Tuple
 
 from megatron_mecefo.elastic.topology import CoverMap
 
-__all__ = ["MicroBatch", "Fold", "FoldPolicy", "fold_neighbor", "micro_batch_policy", "sample_range", "APPROXIMATE_MODES"]
+__all__ = ["MicroBatch", "Fold", "FoldPolicy", "fold_neighbor", "with_attention_floor", "micro_batch_policy", "sample_range", "APPROXIMATE_MODES"]
 
 APPROXIMATE_MODES = ("all", "adopted", "none")
 
@@ -104,12 +104,23 @@ def fold_neighbor(
         mbs += [MicroBatch(f, j, adopt_cov) for f in adopted for j in range(k)]
         assignments[replica] = mbs
 
+    return with_attention_floor(assignments, cover.grid.dp, k, skip_attention=skip_attention,
+                                attention_floor=attention_floor)
+
+
+def with_attention_floor(assignments: Dict[int, List[MicroBatch]], dp: int, k: int, *, skip_attention: bool,
+                         attention_floor: float) -> Fold:
+    """The Fold of `assignments` (live replica -> its micro-batches, own first): covering
+    micro-batches keep their attention backward until `attention_floor` of the dp * k are exact
+    there (own ones first, round-robin over the replicas), and the divisors that follow."""
+    assignments = {r: list(mbs) for r, mbs in assignments.items()}
+
     def exact_attention() -> int:
         return sum(1 for mbs in assignments.values() for m in mbs
                    if not (m.covering and skip_attention) or m.exact_attention)
 
     if skip_attention and attention_floor > 0:
-        need = math.ceil(attention_floor * cover.grid.dp * k - 1e-9)
+        need = math.ceil(attention_floor * dp * k - 1e-9)
         # own micro-batches first (the replica's own data), round-robin over the covering replicas
         slots = sorted(((m.replica != live, j, live) for live, mbs in assignments.items()
                         for j, m in enumerate(mbs) if m.covering), key=lambda t: (t[0], t[1] % k, t[1], t[2]))
@@ -119,8 +130,7 @@ def fold_neighbor(
                 break
             assignments[live][j] = dataclasses.replace(assignments[live][j], exact_attention=True)
             have += 1
-    return Fold({r: tuple(mbs) for r, mbs in assignments.items()}, divisor=cover.grid.dp * k,
-                divisor_mha=exact_attention())
+    return Fold({r: tuple(mbs) for r, mbs in assignments.items()}, divisor=dp * k, divisor_mha=exact_attention())
 
 
 def micro_batch_policy(policy, m: MicroBatch):

@@ -1,0 +1,159 @@
+"""Pure cover planning: which live replica runs which lost micro-batch, in which mode, with the
+predicted step time of every replica. Every rank computes the same plan from the same inputs.
+
+Policies:
+* "neighbour": MeCeFO's rule (fold.fold_neighbor): the ring neighbour of a failed replica runs all
+  of its k micro-batches besides its own k; the job runs at that replica's pace.
+* "spread": the lost micro-batches are dealt over the survivors, in chunks, round the ring from
+  the first failed replica's neighbour (topology.ring_after); each survivor approximates as few
+  micro-batches as keep its predicted time within the target (its adopted ones first, then its
+  own, as `approximate` allows). The chunk sizes are chosen for the fewest approximated
+  micro-batches within the target, then the fastest slowest replica (with the approximations off:
+  an even deal). The default target is the neighbour rule's own slowest replica, so "spread" is
+  never slower than the paper and approximates no more.
+
+Time model: a replica's step time is the sum of its micro-batches' costs (`Costs`: exact,
+covering, covering with the attention backward kept by the floor; the floor is applied after the plan and
+may slow it). tests/elastic/test_cover_plan.py checks the plans against brute force.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Tuple
+
+from megatron_mecefo.elastic.fold import APPROXIMATE_MODES, Fold, MicroBatch, fold_neighbor, with_attention_floor
+from megatron_mecefo.elastic.topology import CoverMap, ring_after
+
+__all__ = ["COVER_POLICIES", "Costs", "CoverPlan", "plan_cover", "predict"]
+
+COVER_POLICIES = ("neighbour", "spread")
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Seconds (or any unit) of one micro-batch's forward and backward, per mode."""
+
+    exact: float = 1.0
+    covering: float = 0.55
+    """The covering mode's approximate backward."""
+    covering_exact_attention: Optional[float] = None
+    """Covering with the attention backward kept (the attention floor); None: as `exact`."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.covering <= self.exact:
+            raise ValueError(f"costs need 0 < covering <= exact, got covering {self.covering}, exact {self.exact}")
+
+    def of(self, m: MicroBatch) -> float:
+        if not m.covering:
+            return self.exact
+        if m.exact_attention:
+            return self.exact if self.covering_exact_attention is None else self.covering_exact_attention
+        return self.covering
+
+
+@dataclasses.dataclass(frozen=True)
+class CoverPlan:
+    fold: Fold
+    predicted: Dict[int, float]
+    """Live replica -> its predicted step time."""
+    target: float
+    """The time the plan's replicas were kept within where they could be."""
+
+    @property
+    def slowest(self) -> float:
+        return max(self.predicted.values())
+
+    @property
+    def approximated(self) -> int:
+        return sum(m.covering for mbs in self.fold.assignments.values() for m in mbs)
+
+
+def predict(fold: Fold, costs: Costs) -> Dict[int, float]:
+    """Each live replica's step time under `costs`."""
+    return {r: sum(costs.of(m) for m in mbs) for r, mbs in fold.assignments.items()}
+
+
+def plan_cover(cover: CoverMap, k: int, costs: Costs, *, policy: str = "neighbour", target: Optional[float] = None,
+               approximate: str = "all", skip_attention: bool = True, attention_floor: float = 0.0) -> CoverPlan:
+    """The plan of one generation (see the module docstring).
+
+    Args:
+        cover: the generation's cover map (its live replicas; "spread" ignores who it names as
+            covering).
+        k: micro-batches per replica per step.
+        target: the slowest replica's time to stay within ("spread"); None: the neighbour rule's.
+        approximate, skip_attention, attention_floor: as fold.fold_neighbor.
+    """
+    if policy not in COVER_POLICIES:
+        raise ValueError(f"cover policy must be one of {COVER_POLICIES}, got {policy!r}")
+    neighbour = fold_neighbor(cover, k, approximate=approximate, skip_attention=skip_attention,
+                              attention_floor=attention_floor)
+    if policy == "neighbour":
+        predicted = predict(neighbour, costs)
+        return CoverPlan(neighbour, predicted, max(predicted.values()) if target is None else target)
+    if target is None:
+        target = max(predict(neighbour, costs).values())
+    live, failed = list(cover.live), cover.failed
+    lost = [MicroBatch(f, j, False) for f in failed for j in range(k)]
+    counts = _split(len(lost), len(live), k, costs, target, approximate)
+    assignments, ring = {}, ring_after(live, failed[0]) if failed else live
+    for r, c in zip(ring, counts):
+        adopted, lost = lost[:c], lost[c:]
+        mbs = [MicroBatch(r, j, False) for j in range(k)] + adopted
+        x = _part(c, k, costs, target, approximate)[1]
+        # adopted ones first (from the end of the list), then own
+        assignments[r] = [dataclasses.replace(m, covering=i >= len(mbs) - x) for i, m in enumerate(mbs)]
+    fold = with_attention_floor(assignments, cover.grid.dp, k, skip_attention=skip_attention,
+                                attention_floor=attention_floor)
+    return CoverPlan(fold, predict(fold, costs), target)
+
+
+def _part(c: int, k: int, costs: Costs, target: float, approximate: str) -> Tuple[bool, int, float]:
+    """(within the target, approximated, time) of a survivor that adopts `c` micro-batches and
+    approximates as few as keep it within `target` (all it may when that is not enough). One that
+    adopts none runs exactly, as under the paper's rule."""
+    n = k + c
+    cap = 0 if c == 0 else {"all": n, "adopted": c, "none": 0}[approximate]
+    over = n * costs.exact - target
+    if over <= 1e-9:
+        need = 0
+    elif costs.covering < costs.exact:
+        need = math.ceil(over / (costs.exact - costs.covering) - 1e-9)
+    else:
+        need = cap + 1
+    x = min(need, cap)
+    return need <= cap, x, (n - x) * costs.exact + x * costs.covering
+
+
+def _split(lost: int, survivors: int, k: int, costs: Costs, target: float, approximate: str) -> List[int]:
+    """How many lost micro-batches each survivor adopts, largest first: the fewest approximated
+    within the target, then the fastest slowest survivor; if no split keeps every survivor within
+    the target, the fastest slowest. A survivor's count to approximate jumps with what it adopts
+    (a rounded-up share), so an even deal is not always best: a dynamic programme over the
+    survivors (identical, so only the multiset of counts matters)."""
+    parts = [_part(c, k, costs, target, approximate) for c in range(lost + 1)]
+
+    def best(feasible_only: bool):
+        # table[u]: (key, counts) of u micro-batches over the survivors placed so far
+        table = {0: ((0, 0.0), ())}
+        for _ in range(survivors):
+            nxt = {}
+            for u, (key, counts) in table.items():
+                for c in range(lost - u + 1):
+                    ok, x, t = parts[c]
+                    if feasible_only and not ok:
+                        continue
+                    cand = ((key[0] + x, max(key[1], t)) if feasible_only else (max(key[0], t), key[1] + x),
+                            tuple(sorted(counts + (c,), reverse=True)))
+                    if u + c not in nxt or cand < nxt[u + c]:
+                        nxt[u + c] = cand
+            table = nxt
+        return table.get(lost)
+
+    found = best(True) or best(False)
+    return list(found[1])
+
+
+assert set(APPROXIMATE_MODES) == {"all", "adopted", "none"}  # the caps above name every mode
