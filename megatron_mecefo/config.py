@@ -20,11 +20,12 @@ from typing import Any, Dict, Mapping, Optional
 from megatron_mecefo.approx.mode import BASES, SVD_METHODS, CoverPolicy
 from megatron_mecefo.fault_rules import parse_rules, parse_trace
 
-__all__ = ["MeCeFOConfig", "LaunchEnv", "prepare_nccl_error_handling", "RECOMPUTE_CHOICES", "APPROXIMATE_CHOICES",
+__all__ = ["MeCeFOConfig", "LaunchEnv", "prepare_nccl_error_handling", "RECOMPUTE_CHOICES", "APPROXIMATE_CHOICES", "COVER_CHOICES",
            "field_docs", "reference_table"]
 
 RECOMPUTE_CHOICES = ("auto", "always", "never")
 APPROXIMATE_CHOICES = ("all", "adopted")
+COVER_CHOICES = ("neighbour", "spread")
 SHARD_REDUNDANCY_CHOICES = ("neighbour", "none")
 SHARD_LOSS_CHOICES = ("give_up", "reinit")
 
@@ -126,13 +127,19 @@ class MeCeFOConfig:
     paper's rule, none kept). When more replicas cover than the floor allows (with two of four
     replicas down the paper's rule leaves attention no gradient at all), covering micro-batches keep
     their attention backward, the covering replicas' own ones first, until the share reaches it."""
+    cover: str = "neighbour"
+    """Who runs a failed replica's micro-batches: "neighbour" (the paper: its ring neighbour runs all
+    of them besides its own, and the job runs at that replica's pace) or "spread" (dealt over the
+    survivors round the ring, each approximating as few as keep its step within the target:
+    covering_budget, else the neighbour rule's own time, so never slower and never more
+    approximated than the paper). Plans come from micro-batch costs the members measure and agree on
+    with each generation (elastic/cover_plan.py, elastic/costs.py)."""
     covering_budget: Optional[float] = None
-    """Let a covering rank run some of its own micro-batches exact, as many as keep its step within
-    this many times a normal step (e.g. 1.10), from step times it measures itself; the attention
-    divisor follows from the counts the members report (None: the fold's modes). With one
-    micro-batch per replica (k = 1) it is all or nothing, and covering costs about half a normal
-    micro-batch, so budgets below about 1.5 keep the paper's rule. Needs tensor and pipeline
-    parallel size 1."""
+    """The slowest replica's step time while covering, in normal steps (e.g. 1.05): the covering
+    replicas then approximate as few micro-batches as keep their steps within it (adopted ones
+    first), from the costs the members measured and agreed on (before the first covering step was
+    measured, a covering micro-batch counts as 0.55 of an exact one). None: "neighbour" approximates
+    as the paper, "spread" within the neighbour rule's time."""
     shard_redundancy: str = "neighbour"
     """With a sharded optimizer state (ds_config "zero_optimization.stage": 1, Megatron-LM's
     --use-distributed-optimizer): "neighbour" keeps a copy of each replica's shard, current at every
@@ -208,15 +215,16 @@ class MeCeFOConfig:
         self._check_choice("svd_method", SVD_METHODS)
         self._check_choice("recompute_ffn", RECOMPUTE_CHOICES)
         self._check_choice("approximate", APPROXIMATE_CHOICES)
+        self._check_choice("cover", COVER_CHOICES)
         value = self.attention_floor
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise ValueError(f"{self._where('attention_floor')} must be a number in [0, 1], got {value!r}")
         self.attention_floor = float(value)
         if self.covering_budget is not None:
             value = self.covering_budget
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
-                raise ValueError(f"{self._where('covering_budget')} must be a number > 1 (a covering step's time "
-                                 f"over a normal one's), got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+                raise ValueError(f"{self._where('covering_budget')} must be a number >= 1 (the slowest replica's step "
+                                 f"time over a normal one's), got {value!r}")
             self.covering_budget = float(value)
         self._check_choice("shard_redundancy", SHARD_REDUNDANCY_CHOICES)
         self._check_choice("on_shard_loss", SHARD_LOSS_CHOICES)
@@ -401,7 +409,7 @@ class MeCeFOConfig:
 
 # -- one source for the CLI help and the README's configuration reference ---------------------------
 
-_CHOICES = {"basis": BASES, "svd_method": SVD_METHODS, "recompute_ffn": RECOMPUTE_CHOICES, "approximate": APPROXIMATE_CHOICES,
+_CHOICES = {"basis": BASES, "svd_method": SVD_METHODS, "recompute_ffn": RECOMPUTE_CHOICES, "approximate": APPROXIMATE_CHOICES, "cover": COVER_CHOICES,
             "shard_redundancy": SHARD_REDUNDANCY_CHOICES, "on_shard_loss": SHARD_LOSS_CHOICES}
 _FLAG_KINDS = {"enable": "store_true", "log_param_hash": "bool", "log_dir": "str", "store": "str",
                "restart_failed_after": "float", "covering_budget": "float"}

@@ -12,7 +12,7 @@ Start at step.py: its docstring walks one step, healthy and with a peer dying in
 * topology.py   pure: rank grid, ring neighbour, cover map
 * fold.py       pure: micro-batches per replica, gradient divisors, sample ranges
 * cover_plan.py pure: the cover planner ("neighbour", "spread"): who runs which lost micro-batch, in which mode
-* budget.py     pure: the covering budget's count of exact own micro-batches
+* costs.py      pure: micro-batch costs each rank measures, and the costs a generation agrees on
 * holds.py      waits keyed to restarted ranks ("hold" rules, a trace's rejoin steps)
 * give_up.py    the give-up checkpoint: one whole replica writes it, every holder its shards
 * gradients.py, shard_grads.py  the reduction's arithmetic (all-reduce / reduce-scatter, divisors)

@@ -38,7 +38,7 @@ from megatron_mecefo.elastic.topology import CoverMap, Grid, ring_cover
 from megatron_mecefo.log import read_jsonl
 from megatron_mecefo.errors import NoCoverAvailable
 
-__all__ = ["Fault", "Schedule", "random_schedule", "run_schedule", "check_run", "check_steps", "time_bound", "RunResult"]
+__all__ = ["Fault", "Schedule", "random_schedule", "run_schedule", "check_run", "check_steps", "generation_plans", "time_bound", "RunResult"]
 
 _TRAIN_PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "admit")
 _REJOIN_PHASES = ("join", "transfer", "forward", "allreduce")
@@ -177,23 +177,32 @@ def events(log_dir: Path, world: int, name: str) -> List[dict]:
     return [e for r in range(world) for e in read_jsonl(log_dir / f"events_rank{r}.jsonl") if e["event"] == name]
 
 
-def check_steps(records: Dict[int, List[dict]], grid: Grid, k: int, last: int) -> List[str]:
+def generation_plans(log_dir: Path, world: int) -> Dict[int, dict]:
+    """Generation -> its plan's assignments as the regroup events logged them (replicas absent run
+    their own k micro-batches)."""
+    return {e["generation"]: e["plan"]["assignments"] for e in events(log_dir, world, "regroup") if "plan" in e}
+
+
+def check_steps(records: Dict[int, List[dict]], grid: Grid, k: int, last: int,
+                plans: Optional[Dict[int, dict]] = None) -> List[str]:
     """The violations in the step records (`step_records`) of a run that committed steps
     0..last-1: each step committed by one generation, each (tp, pp) position's ranks together ran
-    the global batch exactly once, and held bit-identical shards at its start."""
+    the global batch exactly once, and held bit-identical shards at its start. `plans`
+    (`generation_plans`) tells what a rank that died after a commit ran; without it, the
+    neighbour rule's fold."""
     bad = []
     if sorted(records) != list(range(last)):
         bad.append(f"committed steps are not 0..{last - 1}: missing {sorted(set(range(last)) - set(records))[:10]}, "
                    f"extra {sorted(set(records) - set(range(last)))[:10]}")
     full = [(d, j) for d in range(grid.dp) for j in range(k)]
     for step in sorted(records):
-        bad += _check_step(step, records, grid, k, full)
+        bad += _check_step(step, records, grid, k, full, plans or {})
         if len(bad) > 12:
             break
     return bad
 
 
-def _died_after_commit(step: int, records: Dict[int, List[dict]], grid: Grid, k: int) -> tuple:
+def _died_after_commit(step: int, records: Dict[int, List[dict]], grid: Grid, k: int, plans: Dict[int, dict]) -> tuple:
     """Members of the generation that committed `step` but never wrote its record: SIGKILLed
     between the store's commit decision and their write. Legitimate only if the generation never
     went on with them. Returns ((tp, pp) position -> the micro-batches they ran, violations)."""
@@ -209,12 +218,17 @@ def _died_after_commit(step: int, records: Dict[int, List[dict]], grid: Grid, k:
         if later:
             bad.append(f"rank {rank} has no record of step {step}, yet generation {generation} went on with it "
                        f"(step {later[0]})")
-        ran[grid.position(rank)] += [(m.replica, m.index) for m in
-                                     fold_neighbor(plan, k).micro_batches(grid.replica_of(rank))]
+        replica = grid.replica_of(rank)
+        if generation in plans:
+            ran[grid.position(rank)] += [(m[0], m[1]) for m in plans[generation].get(str(replica),
+                                                                                  [[replica, j] for j in range(k)])]
+        else:
+            ran[grid.position(rank)] += [(m.replica, m.index) for m in fold_neighbor(plan, k).micro_batches(replica)]
     return ran, bad
 
 
-def _check_step(step: int, by_step: Dict[int, List[dict]], grid: Grid, k: int, full: list) -> List[str]:
+def _check_step(step: int, by_step: Dict[int, List[dict]], grid: Grid, k: int, full: list,
+                plans: Dict[int, dict]) -> List[str]:
     bad, records = [], by_step[step]
     if len({r["generation"] for r in records}) != 1:
         bad.append(f"step {step} committed by several generations: {sorted({r['generation'] for r in records})}")
@@ -222,7 +236,7 @@ def _check_step(step: int, by_step: Dict[int, List[dict]], grid: Grid, k: int, f
     ranks = [r["rank"] for r in records]
     if len(ranks) != len(set(ranks)):
         bad.append(f"step {step} committed twice by one rank: {sorted(ranks)}")
-    silent, why = _died_after_commit(step, by_step, grid, k)
+    silent, why = _died_after_commit(step, by_step, grid, k, plans)
     bad += why
     for position in sorted({grid.position(r) for r in ranks} | set(silent)):
         recs = [r for r in records if grid.position(r["rank"]) == position]
@@ -246,12 +260,12 @@ def check_run(result: RunResult, log_dir: Path, schedule: Schedule, *, k: int, b
         bad.append(f"took {result.elapsed_s:.0f} s, over the bound of {bound_s:.0f} s")
     records = step_records(log_dir, world)
     if result.returncode == 0:
-        bad += check_steps(records, grid, k, schedule.steps)
+        bad += check_steps(records, grid, k, schedule.steps, generation_plans(log_dir, world))
         return ("finished" if not bad else "failed"), bad
     if result.returncode != 3:
         return "failed", bad + [f"launcher exit status {result.returncode} (expected 0, or 3 for a clean give-up)"]
     last = max(records) + 1 if records else 0
-    bad += check_steps(records, grid, k, last)
+    bad += check_steps(records, grid, k, last, generation_plans(log_dir, world))
     gave_up = events(log_dir, world, "gave_up")
     roots = [e for e in gave_up if e["kind"] != "JobAborted"]
     if not roots and "no rank of the job is left running" not in result.stderr:

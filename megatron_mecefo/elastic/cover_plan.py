@@ -3,7 +3,8 @@ predicted step time of every replica. Every rank computes the same plan from the
 
 Policies:
 * "neighbour": MeCeFO's rule (fold.fold_neighbor): the ring neighbour of a failed replica runs all
-  of its k micro-batches besides its own k; the job runs at that replica's pace.
+  of its k micro-batches besides its own k; the job runs at that replica's pace. With a target
+  (the covering budget) each covering replica approximates only as many as keep it within it.
 * "spread": the lost micro-batches are dealt over the survivors, in chunks, round the ring from
   the first failed replica's neighbour (topology.ring_after); each survivor approximates as few
   micro-batches as keep its predicted time within the target (its adopted ones first, then its
@@ -24,12 +25,11 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
+from megatron_mecefo.config import COVER_CHOICES
 from megatron_mecefo.elastic.fold import Fold, MicroBatch, fold_neighbor, with_attention_floor
 from megatron_mecefo.elastic.topology import CoverMap, ring_after
 
-__all__ = ["COVER_POLICIES", "Costs", "CoverPlan", "plan_cover", "predict"]
-
-COVER_POLICIES = ("neighbour", "spread")
+__all__ = ["Costs", "CoverPlan", "plan_cover", "predict"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,7 @@ class CoverPlan:
     """Live replica -> its predicted step time."""
     target: float
     """The time the plan's replicas were kept within where they could be."""
+    costs: Costs
 
     @property
     def slowest(self) -> float:
@@ -69,6 +70,18 @@ class CoverPlan:
     @property
     def approximated(self) -> int:
         return sum(m.covering for mbs in self.fold.assignments.values() for m in mbs)
+
+    def summary(self, k: int) -> dict:
+        """For the event log: the costs, the prediction (in normal steps of k exact micro-batches),
+        and the micro-batches, as [replica, index, covering], of every replica that runs more than its
+        own k exact ones."""
+        normal = k * self.costs.exact
+        return {"costs": dataclasses.asdict(self.costs), "slowest_ratio": self.slowest / normal,
+                "target_ratio": self.target / normal, "approximated": self.approximated,
+                "divisor_mha": self.fold.divisor_mha,
+                "assignments": {str(r): [[m.replica, m.index, m.covering] for m in mbs]
+                                for r, mbs in sorted(self.fold.assignments.items())
+                                if len(mbs) != k or any(m.covering or m.replica != r for m in mbs)}}
 
 
 def predict(fold: Fold, costs: Costs) -> Dict[int, float]:
@@ -84,31 +97,37 @@ def plan_cover(cover: CoverMap, k: int, costs: Costs, *, policy: str = "neighbou
         cover: the generation's cover map (its live replicas; "spread" ignores who it names as
             covering).
         k: micro-batches per replica per step.
-        target: the slowest replica's time to stay within ("spread"); None: the neighbour rule's.
+        target: the slowest replica's time to stay within (in `costs`' unit; a covering budget B is
+            B * k * costs.exact). None: the neighbour rule's own slowest replica; "neighbour" then
+            approximates as the paper does.
         approximate, skip_attention, attention_floor: as fold.fold_neighbor.
     """
-    if policy not in COVER_POLICIES:
-        raise ValueError(f"cover policy must be one of {COVER_POLICIES}, got {policy!r}")
+    if policy not in COVER_CHOICES:
+        raise ValueError(f"cover policy must be one of {COVER_CHOICES}, got {policy!r}")
     neighbour = fold_neighbor(cover, k, approximate=approximate, skip_attention=skip_attention,
                               attention_floor=attention_floor)
-    if policy == "neighbour":
-        predicted = predict(neighbour, costs)
-        return CoverPlan(neighbour, predicted, max(predicted.values()) if target is None else target)
     if target is None:
         target = max(predict(neighbour, costs).values())
+        if policy == "neighbour":
+            return CoverPlan(neighbour, predict(neighbour, costs), target, costs)
     live, failed = list(cover.live), cover.failed
-    lost = [MicroBatch(f, j, False) for f in failed for j in range(k)]
-    counts = _split(len(lost), len(live), k, costs, target, approximate)
-    assignments, ring = {}, ring_after(live, failed[0]) if failed else live
-    for r, c in zip(ring, counts):
-        adopted, lost = lost[:c], lost[c:]
-        mbs = [MicroBatch(r, j, False) for j in range(k)] + adopted
-        x = _part(c, k, costs, target, approximate)[1]
+    if policy == "neighbour":
+        adopted = {r: [MicroBatch(f, j, False) for f in cover.adopted_by(r) for j in range(k)] for r in live}
+    else:
+        lost = [MicroBatch(f, j, False) for f in failed for j in range(k)]
+        adopted = {}
+        for r, c in zip(ring_after(live, failed[0]) if failed else live, _split(len(lost), len(live), k, costs, target,
+                                                                                 approximate)):
+            adopted[r], lost = lost[:c], lost[c:]
+    assignments = {}
+    for r in live:
+        mbs = [MicroBatch(r, j, False) for j in range(k)] + adopted[r]
+        x = _part(len(adopted[r]), k, costs, target, approximate)[1]
         # adopted ones first (from the end of the list), then own
         assignments[r] = [dataclasses.replace(m, covering=i >= len(mbs) - x) for i, m in enumerate(mbs)]
     fold = with_attention_floor(assignments, cover.grid.dp, k, skip_attention=skip_attention,
                                 attention_floor=attention_floor)
-    return CoverPlan(fold, predict(fold, costs), target)
+    return CoverPlan(fold, predict(fold, costs), target, costs)
 
 
 def _part(c: int, k: int, costs: Costs, target: float, approximate: str) -> Tuple[bool, int, float]:

@@ -3,7 +3,8 @@
 `Formation.form(g, candidates, step)` agrees on the members (membership.agree), builds this rank's
 data-parallel group (one per (tp, pp) position, groups.py), re-shards a sharded optimizer state
 over the members (zero.py), hands any joiners the training state (transfer.py), and computes the
-cover map (topology.ring_cover) and the fold (fold.py). A generation is usable only once every
+cover map (topology.ring_cover) and the plan (cover_plan.py: the fold, from the micro-batch costs
+the members posted with their check-in, costs.py). A generation is usable only once every
 member's group is built and every joiner holds the state: one outcome for all members
 (`Membership.formed`). If either fails (a member died after the agreement, the donor died
 mid-transfer), nobody trains in it and the same candidates agree on the next generation; joiners
@@ -19,7 +20,9 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic import groups, holds
-from megatron_mecefo.elastic.fold import Fold, fold_neighbor
+from megatron_mecefo.elastic.costs import CostMeter, agreed_costs
+from megatron_mecefo.elastic.cover_plan import CoverPlan, plan_cover
+from megatron_mecefo.elastic.fold import Fold
 from megatron_mecefo.elastic.inject import FaultInjector
 from megatron_mecefo.elastic.membership import Agreement, Membership
 from megatron_mecefo.elastic.topology import CoverMap, Grid, ring_cover
@@ -41,11 +44,17 @@ class Generation:
     group: Any
     """This rank's data-parallel group (its (tp, pp) position's members)."""
     cover: CoverMap
-    fold: Fold
+    """Who covers whom by the ring (where the sharded state's copies are; "spread" deals wider)."""
+    plan: CoverPlan
+    """Which live replica runs which micro-batch, in which mode (cover_plan.py)."""
     state: Optional[bytes]
     """The training state this rank received as a joiner; None on a rank that held it."""
     t_agreed: float
     """time.monotonic() when the members were agreed."""
+
+    @property
+    def fold(self) -> Fold:
+        return self.plan.fold
 
 
 class Formation:
@@ -54,10 +63,10 @@ class Formation:
 
     def __init__(self, config: MeCeFOConfig, grid: Grid, rank: int, store, membership: Membership,
                  injector: FaultInjector, events, log, *, micro_batches: int, sharding,
-                 get_state: Optional[Callable[[], Any]], backend: str) -> None:
+                 get_state: Optional[Callable[[], Any]], backend: str, costs: CostMeter) -> None:
         self.cfg, self.grid, self.rank, self.store, self.membership = config, grid, rank, store, membership
         self.injector, self.events, self.log = injector, events, log
-        self.k, self.sharding, self.backend = micro_batches, sharding, backend
+        self.k, self.sharding, self.backend, self.costs = micro_batches, sharding, backend, costs
         self._get_state = get_state or (lambda: None)
         self._timeout = timedelta(seconds=config.collective_timeout_s)
         self.position = grid.position(rank)
@@ -83,7 +92,7 @@ class Formation:
                 the optimizer state lost, or the job aborted.
         """
         while True:
-            agreed = self.membership.agree(generation, candidates, step)
+            agreed = self.membership.agree(generation, candidates, step, info=self.costs.info())
             if generation > 0:
                 self.injector.maybe_fire(agreed.step, "recovery")
             t_agreed = time.monotonic()
@@ -121,11 +130,8 @@ class Formation:
             break
         if self.sharding is not None:
             self._install(sharded, generation, agreed.step)
-        approximate = self.cfg.approximate if self.cfg.approximations_on else "none"
-        fold = fold_neighbor(cover, self.k, approximate=approximate, skip_attention=self.cfg.skip_attention,
-                             attention_floor=self.cfg.attention_floor)
         return Generation(number=generation, step=agreed.step, members=tuple(agreed.members),
-                          joiners=tuple(agreed.joiners), group=group, cover=cover, fold=fold,
+                          joiners=tuple(agreed.joiners), group=group, cover=cover, plan=self._plan(cover, agreed),
                           state=payload if self.rank in agreed.joiners else None, t_agreed=t_agreed)
 
     def _cover(self, generation: int, agreed: Agreement) -> CoverMap:
@@ -137,6 +143,15 @@ class Formation:
                 "Restart the job from the checkpoint with the surviving nodes, or add nodes.")
             err.members = list(agreed.members)
             raise err from None
+
+    def _plan(self, cover: CoverMap, agreed: Agreement) -> CoverPlan:
+        """The generation's plan, from the costs its members posted (identical on every member)."""
+        costs = agreed_costs(agreed.info)
+        budget = self.cfg.covering_budget
+        return plan_cover(cover, self.k, costs, policy=self.cfg.cover,
+                          target=None if budget is None else budget * self.k * costs.exact,
+                          approximate=self.cfg.approximate if self.cfg.approximations_on else "none",
+                          skip_attention=self.cfg.skip_attention, attention_floor=self.cfg.attention_floor)
 
     def _transfer_state(self, group, agreed: Agreement, peers: Sequence[int], held: Optional[int],
                         should_abort: Callable[[], bool]) -> Optional[bytes]:

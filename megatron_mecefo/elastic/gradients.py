@@ -16,15 +16,13 @@ __all__ = ["reduce_with_divisors", "divisor_scale"]
 
 
 def reduce_with_divisors(group, params: Sequence[torch.nn.Parameter], stats: Sequence[float], *, divisor: int,
-                         divisor_mha: Optional[int], attr: str = "grad",
+                         divisor_mha: int, attr: str = "grad",
                          should_abort: Optional[Callable[[], bool]] = None) -> List[float]:
     """All-reduce the SUMMED gradients of `params` (and `stats`) over `group`; divide.
 
     Args:
         divisor, divisor_mha: the fold's divisors of non-attention and attention gradients (an
-            attention divisor of 0: no member computed an attention gradient; it is zero). A
-            divisor_mha of None is the last of the summed `stats` (each member's count of micro-batches
-            with an exact attention backward, when members choose their modes themselves).
+            attention divisor of 0: no member computed an attention gradient; it is zero).
         attr: "grad" (replaced by the reduced tensor, in the parameter's dtype) or "main_grad"
             (Megatron's DDP buffers, written in place so they stay what its optimizer reads).
         should_abort: polled while waiting; True ends the wait (groups.allreduce_sum_).
@@ -41,8 +39,6 @@ def reduce_with_divisors(group, params: Sequence[torch.nn.Parameter], stats: Seq
     flat = torch.cat([g.detach().reshape(-1).float() for g in grads]
                      + [torch.tensor(list(stats), dtype=torch.float32, device=device)])
     groups.allreduce_sum_(group, flat, should_abort=should_abort)
-    if divisor_mha is None:
-        divisor_mha = int(round(flat[-1].item()))
     offset = 0
     for p, g in zip(params, grads):
         n = g.numel()

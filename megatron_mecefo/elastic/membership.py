@@ -36,7 +36,7 @@ import json
 import logging
 import threading
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -82,6 +82,8 @@ class Agreement:
     """Members without the training state of `step`: they receive it before the generation trains."""
     step: int
     """The step whose training state the generation starts from."""
+    info: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    """What the members posted with their check-in (`agree(info=...)`), by rank: identical on every member."""
 
     @property
     def holders(self) -> tuple:
@@ -219,14 +221,15 @@ class Membership:
 
     # -- agreement --------------------------------------------------------------------------------
 
-    def agree(self, generation: int, candidates: Sequence[int], step: Optional[int]) -> Agreement:
+    def agree(self, generation: int, candidates: Sequence[int], step: Optional[int], info: Optional[str] = None) -> Agreement:
         """Agree with the other live candidates on the members of `generation`.
 
         Call on every survivor (and admitted joiner) with the same `candidates`. `step` is the step
         this rank holds the training state of, or None for a rank without state (a restarted or
         late rank). The agreement names the members holding the state of the newest step (one of them
         sends it) and the joiners, who must receive it before the generation trains: a rank without
-        state never trains or votes.
+        state never trains or votes. `info` (a string, e.g. this rank's measured costs) is published
+        with the agreement, so every member reads the same members' posts.
 
         Returns:
             The agreed Agreement; its members contain this rank.
@@ -242,6 +245,8 @@ class Membership:
             NotAMember: the agreed list leaves this rank out (it was presumed failed).
         """
         prefix = f"gen{generation}"
+        if info is not None:  # before the check-in: whoever publishes reads it
+            self.store.set(f"{prefix}/info/{self.rank}", info)
         self.store.set(f"{prefix}/in/{self.rank}", str(-1 if step is None else step))
         deadline = time.monotonic() + self.agree_timeout
         agreed_key = f"{prefix}/agreed"
@@ -267,7 +272,9 @@ class Membership:
                 steps = [checked[r] for r in whole if checked[r] >= 0]
                 if steps:
                     newest = max(steps)
-                    agreed = {"members": whole, "joiners": [r for r in whole if checked[r] != newest], "step": newest}
+                    agreed = {"members": whole, "joiners": [r for r in whole if checked[r] != newest], "step": newest,
+                              "info": {str(r): self.store.get(f"{prefix}/info/{r}").decode() for r in whole
+                                       if self.store.check([f"{prefix}/info/{r}"])}}
                     if self.store.compare_set(agreed_key, "", json.dumps(agreed)).decode() == json.dumps(agreed):
                         self._explain(generation, candidates, whole, checked, live, asking)
                 elif any(checked[r] >= 0 for r in voters):  # the state lives on in broken replicas only
@@ -293,7 +300,8 @@ class Membership:
                 f"[gen {generation} rank {self.rank}] left out of generation {generation} (presumed failed; "
                 f"members {agreed['members']}); this rank must stop"
             )
-        return Agreement(tuple(agreed["members"]), tuple(agreed["joiners"]), int(agreed["step"]))
+        return Agreement(tuple(agreed["members"]), tuple(agreed["joiners"]), int(agreed["step"]),
+                         {int(r): v for r, v in agreed.get("info", {}).items()})
 
     def _asking_to_join(self, ranks: Iterable[int]) -> set:
         """Restarted incarnations waiting to be named for a generation (`request_join`): they come in

@@ -247,11 +247,10 @@ class Reduction:
             _to_sums((getattr(p, attr, None) for p in params), averaged_over)
         extra = list(stats) + rt.step_statistics(micro_batches)
         fold = rt.fold
-        chosen = rt.modes_chosen_by_ranks  # the covering budget: the attention divisor is a summed statistic
-        mha = None if chosen else fold.divisor_mha
+        mha = fold.divisor_mha
 
         def scale(p, summed):
-            return divisor_scale(p, fold.divisor, int(round(summed[-1])) if chosen else fold.divisor_mha)
+            return divisor_scale(p, fold.divisor, mha)
 
         sharded = self.sharding is not None and not overlapped and self.sharding.reduces(params)
         if self.sharding is not None and not sharded:

@@ -37,7 +37,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.elastic import groups, holds
 from megatron_mecefo.elastic import store as job_store
-from megatron_mecefo.elastic.budget import StepBudget
+from megatron_mecefo.elastic.costs import CostMeter
+from megatron_mecefo.elastic.cover_plan import CoverPlan
 from megatron_mecefo.elastic.fold import Fold
 from megatron_mecefo.elastic.formation import Formation
 from megatron_mecefo.elastic.give_up import GiveUpCheckpoint
@@ -111,8 +112,8 @@ class ElasticRuntime:
             None: the optimizer state is replicated.
         injector: this rank's FaultInjector (`FaultInjector.for_job`, which lays out config.trace
             over the job's length); None: config.inject's rules only (a trace then is refused).
-        budget: the covering budget's part (budget.StepBudget); None: the one config.covering_budget
-            asks for, if any.
+        costs: this rank's micro-batch cost meter (costs.CostMeter; posted with each check-in, the
+            generations plan with what the members posted); None: a new one.
         backend: "gloo" (tested) or "nccl" (untested here).
 
     Raises:
@@ -121,7 +122,7 @@ class ElasticRuntime:
 
     def __init__(self, config: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                  micro_batches: int = 1, state: Optional["StateHooks"] = None, sharding=None,
-                 injector: Optional[FaultInjector] = None, budget: Optional[StepBudget] = None,
+                 injector: Optional[FaultInjector] = None, costs: Optional[CostMeter] = None,
                  backend: str = "gloo") -> None:
         rank, world, incarnation = job.rank, job.world, job.incarnation
         self.cfg = config
@@ -133,11 +134,6 @@ class ElasticRuntime:
         injector = injector or FaultInjector.for_job(config, job, model_parallel=tensor_parallel * pipeline_parallel)
         self.max_restarts = job.max_restarts
         self.grid = Grid(tp=tensor_parallel, pp=pipeline_parallel, dp=world // (tensor_parallel * pipeline_parallel))
-        if config.covering_budget is not None and self.grid.tp * self.grid.pp > 1:
-            # every rank of a replica must run each micro-batch in the same mode, and each would
-            # decide from its own clock
-            raise ValueError(f'mecefo "covering_budget" needs tensor and pipeline parallel size 1 (got tp '
-                             f"{self.grid.tp}, pp {self.grid.pp}); leave it unset (the fold's modes) there")
         if config.enable and config.basis == "gradient" and sharding is not None:
             raise ValueError('mecefo "basis": "gradient" needs every weight\'s aggregated gradient on every rank; '
                              "a sharded optimizer (ZeRO stage 1, --use-distributed-optimizer) reduces each rank's "
@@ -170,8 +166,8 @@ class ElasticRuntime:
         self._detected_wall: Optional[float] = None
         self._pending: Optional[tuple] = None  # (generation, candidates) to regroup into
         self._cover: Optional[CoverMap] = None
-        self._fold: Optional[Fold] = None
-        self._budget = budget or StepBudget.for_config(config, micro_batches)
+        self._plan: Optional[CoverPlan] = None
+        self._costs = costs or CostMeter()
         self._issued: tuple = ()  # the micro-batches plan() handed out for this step
         state = state or StateHooks()
         self._set_state = state.set
@@ -188,7 +184,7 @@ class ElasticRuntime:
         self.injector.events = self.events
         self._formation = Formation(config, self.grid, rank, self.store, self.membership, injector, self.events,
                                     self.log, micro_batches=micro_batches, sharding=sharding, get_state=state.get,
-                                    backend=backend)
+                                    backend=backend, costs=self._costs)
         self._checkpoint = GiveUpCheckpoint(self.store, self.grid, rank, save=state.save_checkpoint,
                                             save_shards=state.save_shards, sharding=sharding, log=self.log)
 
@@ -263,23 +259,20 @@ class ElasticRuntime:
         self._ran = None
         self._issued = ()
         self._t_step = time.monotonic()
-        if self._budget is not None:
-            self._budget.begin()
+        self._costs.begin()
 
     def plan(self) -> StepPlan:
         replica = self.grid.replica_of(self.rank)
-        mbs = self._fold.micro_batches(replica)
-        if self._budget is not None:  # the first e own micro-batches exact, e from this rank's clock
-            mbs = self._budget.modes(mbs, replica)
-        self._issued = mbs
+        fold = self._plan.fold
+        self._issued = mbs = fold.micro_batches(replica)
         return StepPlan(
             step=self.step, generation=self.generation, members=tuple(self.members), cover=self._cover,
-            micro_batches=mbs, divisor=self._fold.divisor, divisor_mha=self._fold.divisor_mha,
+            micro_batches=mbs, divisor=fold.divisor, divisor_mha=fold.divisor_mha,
         )
 
     def _micro_batches_run(self) -> tuple:
         """This step's micro-batches as plan() handed them out (the fold's, if it was not asked)."""
-        return self._issued or self._fold.micro_batches(self.grid.replica_of(self.rank))
+        return self._issued or self._plan.fold.micro_batches(self.grid.replica_of(self.rank))
 
     def cover_map(self) -> CoverMap:
         """The current generation's cover map."""
@@ -316,13 +309,7 @@ class ElasticRuntime:
     @property
     def fold(self) -> Fold:
         """The current generation's fold (its divisors)."""
-        return self._fold
-
-    @property
-    def modes_chosen_by_ranks(self) -> bool:
-        """With the covering budget each covering rank picks its own modes: the attention divisor
-        is then the members' summed count of exact-attention micro-batches (`step_statistics`)."""
-        return self._budget is not None
+        return self._plan.fold
 
     def fire(self, phase: str) -> None:
         """An injection point of the current step."""
@@ -330,19 +317,14 @@ class ElasticRuntime:
 
     def step_statistics(self, micro_batches: Optional[int]) -> List[float]:
         """What the runtime needs summed with the step's statistics: the micro-batches this rank
-        ran (the commit checks the whole global batch ran) and, with the covering budget, its count
-        of exact-attention micro-batches (last; it also learns this step's time here)."""
-        out = [float(micro_batches)] if micro_batches is not None else []
+        ran (the commit checks the whole global batch ran). The step's compute time ends here."""
+        self._costs.end(self._micro_batches_run())
         self._counted = micro_batches is not None
-        if self._budget is not None:
-            out.append(self._budget.statistic(self._micro_batches_run()))
-        return out
+        return [float(micro_batches)] if micro_batches is not None else []
 
     def take_statistics(self, summed: List[float]) -> List[float]:
         """The summed `step_statistics` taken off the end of `summed`; returns the rest."""
         summed = list(summed)
-        if self._budget is not None:
-            self._budget.divisor_mha = int(round(summed.pop()))
         if self._counted:
             self._ran = int(round(summed.pop()))
         return summed
@@ -380,12 +362,10 @@ class ElasticRuntime:
             if decision.joiners:
                 self._pending = (decision.next_generation, sorted(set(self.members) | set(decision.joiners)))
             ran = self._micro_batches_run()
-            if self._budget is not None:  # what this rank chose, and the attention divisor that followed
-                record = {**record, **self._budget.record(ran)}
             self.steps_log.write(
                 "step", step=self.step, generation=self.generation, live=list(self.members),
                 cover={str(k): v for k, v in self._cover.cover.items()}, degraded=self._cover.degraded,
-                micro_batches=[[m.replica, m.index, m.covering] for m in ran],
+                micro_batches=[[m.replica, m.index, m.covering] for m in ran], divisor_mha=self._plan.fold.divisor_mha,
                 step_time_s=time.monotonic() - self._t_step, **record,
             )
             if decision.joiners:
@@ -434,7 +414,7 @@ class ElasticRuntime:
         if new.state is not None:
             self._load_state(new.state, new.step)
         self.group, self.generation, self.members = new.group, new.number, list(new.members)
-        self._cover, self._fold, self.step = new.cover, new.fold, new.step
+        self._cover, self._plan, self.step = new.cover, new.plan, new.step
         t_done, now = time.monotonic(), time.time()
         self.events.write(
             "regroup", generation=self.generation, step=self.step, members=self.members,
@@ -442,11 +422,13 @@ class ElasticRuntime:
             detected_at=self._detected_wall if detected_at else None,
             agreed_at=now - (t_done - new.t_agreed), regrouped_at=now,
             detect_to_recover_s=(t0 - detected_at) if detected_at else None,
-            agree_s=new.t_agreed - t0, regroup_s=t_done - new.t_agreed,
+            agree_s=new.t_agreed - t0, regroup_s=t_done - new.t_agreed, plan=new.plan.summary(self.k),
         )
         if self.generation > 0:
-            self.log.warning("generation %d: members %s, cover %s", self.generation, self.members,
-                             new.cover.cover or "none")
+            self.log.warning("generation %d: members %s, cover %s (%s; slowest replica %.2fx a normal step "
+                             "predicted, %d micro-batches approximated)", self.generation, self.members,
+                             new.cover.cover or "none", self.cfg.cover, new.plan.slowest / (self.k * new.plan.costs.exact),
+                             new.plan.approximated)
         if self.grid.tp * self.grid.pp > 1:
             self.membership.watch_exclusion(self.generation, self._excluded)
 

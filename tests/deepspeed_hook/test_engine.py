@@ -137,7 +137,7 @@ def _tiny_gpt_module():
 
 
 @pytest.mark.fault
-@pytest.mark.parametrize("case", ["paper", "floor_activation", "budget", "gradient"])
+@pytest.mark.parametrize("case", ["paper", "floor_activation", "budget", "spread", "gradient"])
 def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world, case):
     """With the approximations on, the gradient the survivors apply at a degraded step is MeCeFO's,
     recomputed here in one process from the same weights and data: the covering rank's own and
@@ -148,23 +148,28 @@ def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world, cas
     step, so both survivors cover and the paper's rule would leave attention no gradient; with
     attention_floor 0.5 each survivor keeps its own micro-batches' attention backward, and the
     low-rank FFN gradient takes each micro-batch's own input directions (basis "activation").
-    "budget": 3 ranks, one killed, covering_budget 10: after its first covering step (which measures
-    the covering cost) the covering rank can afford its own micro-batches exact and runs them so;
-    the attention divisor follows from the counts the members report. "gradient": 3 ranks, one killed,
+    "budget": 3 ranks, one killed, covering_budget 1.6: with the default costs (a covering
+    micro-batch 0.55 of an exact one) the covering rank approximates its two adopted micro-batches
+    and keeps its own two exact, 1.45 normal steps; the attention divisor follows from the plan.
+    "spread": 4 ranks, one killed, cover "spread": the two lost micro-batches go to two survivors
+    (ring order from the failed replica), each approximating one own and the adopted one (2.1
+    exact-micro-batch costs each, under the paper's 2.2), the third runs exact. "gradient": 3 ranks, one killed,
     basis "gradient" with tau 100: every covering step projects on the aggregated gradient of step 1,
     the last step without covering."""
-    import dataclasses
 
     from megatron_mecefo.elastic import Grid, fold_neighbor, ring_cover, reference_gradient, sample_range
-    from megatron_mecefo.elastic.fold import Fold
+    from megatron_mecefo.elastic.cover_plan import Costs, plan_cover
     from megatron_mecefo.params import GradGroup, grad_group
 
     step = 4  # the survivors cover from step 2; with tau = 2 the weight basis is recomputed at step 4 from these weights
     if case == "paper":
         world, survivors, options, extra = 3, [0, 2], {}, ["--mecefo-inject", "kill:1:2:backward"]
     elif case == "budget":
-        world, survivors, options = 3, [0, 2], {}
-        extra = ["--mecefo-inject", "kill:1:2:backward", "--mecefo-covering-budget", "10"]
+        world, survivors, options = 3, [0, 2], {"covering_budget": 1.6}
+        extra = ["--mecefo-inject", "kill:1:2:backward", "--mecefo-covering-budget", "1.6"]
+    elif case == "spread":
+        world, survivors, options = 4, [0, 2], {"cover": "spread"}
+        extra = ["--mecefo-inject", "kill:1:2:backward", "--mecefo-cover", "spread"]
     elif case == "gradient":
         world, survivors, options = 3, [0, 2], {"basis": "gradient", "tau": 100}
         extra = ["--mecefo-inject", "kill:1:2:backward", "--mecefo-basis", "gradient", "--mecefo-tau", "100",
@@ -191,15 +196,24 @@ def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world, cas
         for name, p in model.named_parameters():
             p.grad = step1[name].clone()
         assert observe_gradients(model, cfg.cover_policy(1), 1, exact=True) == 2 * 2  # fc1 and fc2 of 2 layers
-    fold = fold_neighbor(ring_cover(Grid(dp=world), survivors), 2, attention_floor=cfg.attention_floor)
-    assert fold.divisor_mha == (4 if case == "floor_activation" else 2)  # the healthy replica's k / the floor: half of 4 x k
-    if case == "budget":  # rank 2's own two micro-batches ran exact (its record says so), the adopted two covering
-        record = next(r for r in steps(tmp_path, world)[step] if r["live"] and r.get("divisor_mha") is not None
-                      and [m[0] for m in r["micro_batches"]] == [2, 2, 1, 1])
-        assert record["micro_batches"] == [[2, 0, False], [2, 1, False], [1, 0, True], [1, 1, True]], record
-        assert record["exact_attention"] == 2 and record["divisor_mha"] == 4
-        fold = Fold({0: fold.assignments[0], 2: tuple(dataclasses.replace(m, covering=m.replica == 1)
-                                                      for m in fold.assignments[2])}, divisor=6, divisor_mha=4)
+    live = [r for r in range(world) if r != 1] if case == "spread" else survivors
+    fold = fold_neighbor(ring_cover(Grid(dp=world), live), 2, attention_floor=cfg.attention_floor)
+    # the healthy replicas' k each (two of them at 4 ranks) / the floor: half of 4 x k
+    assert fold.divisor_mha == (4 if case in ("floor_activation", "spread") else 2)
+    records = {r["rank"]: r for r in steps(tmp_path, world)[step]}
+    if case in ("budget", "spread"):  # the plan every member derived from the agreed (default) costs
+        fold = plan_cover(ring_cover(Grid(dp=world), live), 2, Costs(), policy=cfg.cover,
+                          target=None if case == "spread" else 1.6 * 2).fold
+        for r in live:
+            assert records[r]["micro_batches"] == [[m.replica, m.index, m.covering] for m in fold.assignments[r]]
+            assert records[r]["divisor_mha"] == fold.divisor_mha
+    if case == "budget":  # rank 2's own two micro-batches exact, the adopted two covering
+        assert records[2]["micro_batches"] == [[2, 0, False], [2, 1, False], [1, 0, True], [1, 1, True]]
+        assert fold.divisor_mha == 4
+    if case == "spread":  # replica 1's two micro-batches on two survivors, each with one own approximated
+        assert records[2]["micro_batches"] == [[2, 0, False], [2, 1, True], [1, 0, True]]
+        assert records[3]["micro_batches"] == [[3, 0, False], [3, 1, True], [1, 1, True]]
+        assert records[0]["micro_batches"] == [[0, 0, False], [0, 1, False]] and fold.divisor_mha == 4
 
     def loss_of(m):
         tokens, pos, labels = train.batch(sample_range(step, m.replica, m.index, micro_batch_size=2, dp=world, k=2))

@@ -53,6 +53,24 @@ def test_a_rank_without_state_joins_as_a_joiner_of_the_newest_step(store):
     assert plans[0].holders == (1, 2)
 
 
+def test_what_the_members_post_is_published_with_the_agreement(store):
+    """The cover planner's costs: every member reads the same posts, a left-out rank's not among them."""
+    out = {}
+
+    def run(r):
+        out[r] = member(store, r).agree(4, [0, 1, 2, 3], 9, info=None if r == 2 else f"costs of {r}")
+
+    store.set("exited/3", "1")  # rank 3 posted, then crashed before the agreement
+    store.set("gen4/info/3", "costs of 3")
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert {r: (a.members, dict(a.info)) for r, a in out.items()} == {
+        r: ((0, 1, 2), {0: "costs of 0", 1: "costs of 1"}) for r in (0, 1, 2)}
+
+
 def test_a_replica_that_lost_a_rank_is_left_out_whole(store):
     """T=2, D=2: rank 2 (replica 1) crashed; rank 3, alive, is not a member either (NotAMember), and
     the plan holds whole replica 0 only."""
