@@ -362,8 +362,7 @@ def main(argv=None):
         if is_logger() and it % args.log_interval == 0:
             lm = engine.last_loss if rt else sum(losses) / len(losses)
             live = rt.cover_map().live if rt else ()
-            state = (f" | mecefo: gen {rt.generation} live {len(live)}/{dp} cover "
-                     f"{', '.join(f'{f}->{c}' for f, c in sorted(rt.cover_map().cover.items())) or 'none'}" if rt else "")
+            state = f" | mecefo: gen {rt.generation} live {len(live)}/{dp} cover {rt.cover_plan().text()}" if rt else ""
             print(f" iteration {it:8d}/{args.train_iters:8d} | consumed samples: {it * gbs:12d} | elapsed time per iteration (ms): "
                   f"{1000 * (time.monotonic() - t_last) / args.log_interval:8.1f} | learning rate: {engine.get_lr()[0]:.6E} | "
                   f"global batch size: {gbs:5d} | lm loss: {lm:.6E}{state} |", flush=True)

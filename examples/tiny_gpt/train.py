@@ -57,7 +57,7 @@ def log_iteration(engine, total, t_last, interval=1):
     rt = engine.runtime
     if rt.rank != min(rt.members):
         return
-    cover = ", ".join(f"{f}->{c}" for f, c in sorted(rt.cover_map().cover.items())) or "none"
+    cover = rt.cover_plan().text()
     print(
         f" iteration {engine.global_steps:8d}/{total:8d} | consumed samples: {engine.global_steps * rt.world * rt.k * engine.micro_batch_size:10d}"
         f" | elapsed time per iteration (ms): {1000 * (time.monotonic() - t_last) / interval:7.1f} | learning rate: {engine.get_lr()[0]:.3E}"

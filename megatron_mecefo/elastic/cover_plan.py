@@ -71,6 +71,18 @@ class CoverPlan:
     def approximated(self) -> int:
         return sum(m.covering for mbs in self.fold.assignments.values() for m in mbs)
 
+    def runners(self) -> Dict[int, Tuple[int, ...]]:
+        """Failed replica -> the live replicas that run its micro-batches."""
+        out: Dict[int, List[int]] = {}
+        for r, mbs in sorted(self.fold.assignments.items()):
+            for f in sorted({m.replica for m in mbs if m.replica != r}):
+                out.setdefault(f, []).append(r)
+        return {f: tuple(rs) for f, rs in sorted(out.items())}
+
+    def text(self) -> str:
+        """"1->2" (replica 2 runs replica 1's micro-batches), "1->0+2" (spread), or "none"."""
+        return ", ".join(f"{f}->{'+'.join(map(str, rs))}" for f, rs in self.runners().items()) or "none"
+
     def summary(self, k: int) -> dict:
         """For the event log: the costs, the prediction (in normal steps of k exact micro-batches),
         and the micro-batches, as [replica, index, covering], of every replica that runs more than its

@@ -278,6 +278,10 @@ class ElasticRuntime:
         """The current generation's cover map."""
         return self._cover
 
+    def cover_plan(self) -> CoverPlan:
+        """The current generation's plan: who runs which micro-batch (`.text()` for a log line)."""
+        return self._plan
+
     @contextlib.contextmanager
     def replica_collectives(self, step: int):
         """Collectives inside this rank's replica (tensor/pipeline parallel) run in the block: one that
@@ -425,9 +429,10 @@ class ElasticRuntime:
             agree_s=new.t_agreed - t0, regroup_s=t_done - new.t_agreed, plan=new.plan.summary(self.k),
         )
         if self.generation > 0:
+            runners = {f: rs[0] if len(rs) == 1 else list(rs) for f, rs in new.plan.runners().items()}
             self.log.warning("generation %d: members %s, cover %s (%s; slowest replica %.2fx a normal step "
                              "predicted, %d micro-batches approximated)", self.generation, self.members,
-                             new.cover.cover or "none", self.cfg.cover, new.plan.slowest / (self.k * new.plan.costs.exact),
+                             runners or "none", self.cfg.cover, new.plan.slowest / (self.k * new.plan.costs.exact),
                              new.plan.approximated)
         if self.grid.tp * self.grid.pp > 1:
             self.membership.watch_exclusion(self.generation, self._excluded)

@@ -79,7 +79,9 @@ def test_a_killed_rank_retires_its_replica_which_rejoins_whole(tmp_path, layout,
     faults = (Fault("kill", victim, 8, phase), Fault("hold", victim, 14, "forward", 1), Fault("hold", mate, 14, "forward", 1))
     schedule = Schedule(0, 4, 20, faults, 1.0, **grid_args)
     save = ["--save", str(tmp_path / "ckpt")] if tied else []
-    proc = chaos_run(tmp_path, schedule, layout, 8, *EXACT, *save, restart_after=1, eval_interval=10)
+    # cover "spread": with D = 2 the one survivor runs all of replica 1's micro-batches, as the paper's
+    proc = chaos_run(tmp_path, schedule, layout, 8, *EXACT, *save, "--mecefo-cover", "spread", restart_after=1,
+                     eval_interval=10)
     assert valid_loss(proc.stdout) == pytest.approx(plain, rel=1e-5)
     if tied:
         import torch
@@ -105,11 +107,17 @@ def test_a_killed_rank_retires_its_replica_which_rejoins_whole(tmp_path, layout,
 
 def test_a_hung_tensor_parallel_rank_retires_its_replica_in_time(tmp_path):
     """D=3 x T=2: rank 2 (replica 1, tp 0) is SIGSTOPped. Its tensor-parallel mate's collective
-    times out within collective_timeout_s and it leaves; nobody hangs; replica 2 covers replica 1,
-    and the two surviving replicas hold bit-identical shards per position at every step."""
+    times out within collective_timeout_s and it leaves; nobody hangs; with cover "spread" replica
+    1's two micro-batches go one to each surviving replica, both ranks of each in the same modes (the
+    plan from the costs agreed with the generation), and the two surviving replicas hold
+    bit-identical shards per position at every step."""
     schedule = Schedule(0, 6, 30, (Fault("hang", 2, 6, "forward"),), None, tp=2)
-    proc = chaos_run(tmp_path, schedule, ["--tensor-model-parallel-size", "2"], gbs=12)
-    assert "cover 1->2" in proc.stdout
+    proc = chaos_run(tmp_path, schedule, ["--tensor-model-parallel-size", "2"], 12, "--mecefo-cover", "spread")
+    assert "cover 1->0+2" in proc.stdout
+    spread = {r: rec["micro_batches"] for r in range(6) for rec in chaos.step_records(tmp_path, 6)[10] if rec["rank"] == r}
+    # each survivor approximates its adopted and one own micro-batch (default costs: 2.1 < the paper's 2.2)
+    assert spread == {r: [[d, 0, False], [d, 1, True], [1, j, True]]
+                      for r, d, j in ((0, 0, 1), (1, 0, 1), (4, 2, 0), (5, 2, 0))}
     assert "rank 2 is stopped (hung) and all others ended: killing it" in proc.stderr
     hung = [e for e in chaos.events(tmp_path, 6, "inject") if e["rank"] == 2][0]
     lost = [e for e in chaos.events(tmp_path, 6, "replica_lost") if e["rank"] == 3]

@@ -64,13 +64,18 @@ def test_sharded_run_equals_replicated_through_a_kill_after_the_commit_and_a_rej
     """Rank 1 (owner of the middle shard) is SIGKILLed after step 3's commit and restarted; the job
     waits for it at step 5 (hold). The survivors' parameter gather fails and they regroup at once
     (its shard's update lives on in rank 2's copy); the restarted rank receives its shard and copy.
-    (A kill before the commit: the re-shard tests below, the reinit test and the chaos schedules.)"""
+    With cover "spread" its two micro-batches go one to each survivor (the shard copy stays on
+    rank 2, the ring neighbour). (A kill before the commit: the re-shard tests below, the reinit
+    test and the chaos schedules.)"""
     phase = "optimizer"
     logs = tmp_path / "logs"
-    out = run(tmp_path, 3, 1, *EXACT, "--mecefo-inject", f"kill:1:3:{phase}", "--mecefo-inject", "hold:1:5",
-              "--mecefo-log-dir", str(logs), "--mecefo-log-param-hash", launcher=["--restart-failed-after", "0"]).stdout
+    out = run(tmp_path, 3, 1, *EXACT, "--mecefo-cover", "spread", "--mecefo-inject", f"kill:1:3:{phase}",
+              "--mecefo-inject", "hold:1:5", "--mecefo-log-dir", str(logs), "--mecefo-log-param-hash",
+              launcher=["--restart-failed-after", "0"]).stdout
     assert "optimizer state sharded over 3 replicas (shard_redundancy=neighbour)" in out
-    assert "cover 1->2" in out and "live 3/3" in out.split("cover 1->2")[-1], "degraded, then whole again"
+    assert "cover 1->0+2" in out and "live 3/3" in out.split("cover 1->0+2")[-1], "degraded, then whole again"
+    spread = [(rank, rec["micro_batches"]) for rank in (0, 2) for rec in steps_of(logs, rank) if rec["step"] == 4]
+    assert spread == [(0, [[0, 0, False], [0, 1, False], [1, 1, False]]), (2, [[2, 0, False], [2, 1, False], [1, 0, False]])]
     assert sorted(losses(out)) == list(range(1, 9))
     assert_fault_free_losses(out, replicated)
     assert valid_loss(out) == pytest.approx(replicated[1], rel=1e-5)

@@ -89,7 +89,8 @@ def test_sharded_optimizer_state_through_a_kill_after_the_commit(mds_checkout, t
     and rejoins after step 8 (it receives its shard and copy in the re-shard). With the
     approximations off the losses are the replicated fault-free run's and the replicas stay
     bit-identical; the checkpoint of iteration 10 holds the shards beside upstream's files, and
-    `--load` resumes it on 2 replicas with the fault-free run's losses."""
+    `--load` resumes it on 2 replicas with the fault-free run's losses. With cover "spread" rank 1's
+    two micro-batches go one to each survivor (its shard's copy stays on the ring neighbour)."""
     root, data = mds_checkout
     exact = _EXACT_FLAGS
     free = _exact_3_replicas(root, data, tmp_path, shared_run)
@@ -97,9 +98,11 @@ def test_sharded_optimizer_state_through_a_kill_after_the_commit(mds_checkout, t
     ckpt = tmp_path / "ckpt"
     sharded = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds1.json", dp=3, iters=12, zero_stage=1, extra=exact + [
         "--mecefo-log-dir", str(tmp_path / "logs"), "--mecefo-inject", "kill:1:4:optimizer", "--mecefo-inject",
-        "hold:1:8", "--save", str(ckpt), "--save-interval", "10"]), restart_after=1, timeout=300)
+        "hold:1:8", "--save", str(ckpt), "--save-interval", "10", "--mecefo-cover", "spread"]), restart_after=1, timeout=300)
     assert sharded.returncode == 0, sharded.stdout[-4000:]
-    assert "generation 1: members [0, 2], cover {1: 2}" in sharded.stdout
+    assert "generation 1: members [0, 2], cover {1: [0, 2]}" in sharded.stdout
+    ran = {r: rec["micro_batches"] for r in (0, 2) for rec in mds.step_records(tmp_path / "logs")[6] if rec["rank"] == r}
+    assert ran == {0: [[0, 0, False], [0, 1, False], [1, 1, False]], 2: [[2, 0, False], [2, 1, False], [1, 0, False]]}
     events = [json.loads(line) for line in (tmp_path / "logs" / "events_rank1.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "rejoined"] == [9]
     want, got = mds.losses(free.stdout), mds.losses(sharded.stdout)
@@ -276,12 +279,14 @@ def test_pipeline_engine_absorbs_a_kill_a_rejoin_and_a_hung_lead(mds_checkout, t
 @pytest.mark.fault
 def test_pipeline_engine_zero1_state_through_a_kill_after_the_commit(mds_checkout, tmp_path, shared_run):
     """The same pipeline with ds_config stage 1 (the optimizer state sharded over the replicas per
-    stage): the last stage of replica 1 killed after step 4's commit; the losses are the unpatched
-    run's, and every step's records hold the whole global batch on identical stages."""
+    stage) and cover "spread" (with D = 2 the one survivor runs everything, as the paper's rule):
+    the last stage of replica 1 killed after step 4's commit; the losses are the unpatched run's,
+    and every step's records hold the whole global batch on identical stages."""
     root, data = mds_checkout
     upstream = _upstream_pipeline_run(root, data, tmp_path, shared_run)
     sharded = mds.mecefo_launch(root, 4, _pipeline_engine_args(
-        data, tmp_path, _EXACT + ["--mecefo-log-dir", str(tmp_path / "sharded"), "--mecefo-inject", "kill:3:4:optimizer"],
+        data, tmp_path, _EXACT + ["--mecefo-log-dir", str(tmp_path / "sharded"), "--mecefo-inject", "kill:3:4:optimizer",
+                                  "--mecefo-cover", "spread"],
         zero_stage=1))
     mds.assert_losses(sharded, mds.losses(upstream.stdout), 12)
     assert "generation 1: members [0, 2], cover {1: 0}" in sharded.stdout
