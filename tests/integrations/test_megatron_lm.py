@@ -65,12 +65,15 @@ def test_distributed_optimizer_is_sharded_through_a_kill_a_rejoin_and_a_hang(mlm
     after step 8 and receives its shard and copy in the re-shard. With the approximations off the
     losses are the replicated fault-free run's and the replicas stay bit-identical. The checkpoint
     of iteration 10 holds the shards beside upstream's files; `--load` resumes it on 2 replicas
-    with the fault-free run's losses, and refuses it (exit 2) without the flag. A rank hung in the
+    with the fault-free run's losses, and refuses it (exit 2) without the flag. The kill runs with
+    cover "spread": rank 1's two micro-batches go one to each survivor. A rank hung in the
     gradient reduction (the reduce-scatter) of step 4 is covered with the same losses."""
     free = _exact_3_replicas(mlm_checkout, shared_run)
     assert free.returncode == 0, free.stdout[-4000:]
     ckpt, log_dir = tmp_path / "ckpt", tmp_path / "log"
-    sharded = _sharded_kill_and_rejoin(mlm_checkout, EXACT, ckpt, log_dir)
+    sharded = _sharded_kill_and_rejoin(mlm_checkout, EXACT + ["--mecefo-cover", "spread"], ckpt, log_dir)
+    ran = {r: rec["micro_batches"] for r in (0, 2) for rec in mds.step_records(log_dir)[6] if rec["rank"] == r}
+    assert ran == {0: [[0, 0, False], [0, 1, False], [1, 1, False]], 2: [[2, 0, False], [2, 1, False], [1, 0, False]]}
     assert "optimizer state sharded over 3 replicas (shard_redundancy=neighbour)" in sharded.stdout
     want, got = mds.losses(free.stdout), mds.losses(sharded.stdout)
     assert sorted(got) == sorted(want) == list(range(1, 13))
@@ -110,7 +113,8 @@ def _sharded_kill_and_rejoin(checkout, flags, ckpt, log_dir):
         "--use-distributed-optimizer", "--mecefo-log-dir", str(log_dir), "--mecefo-inject", "kill:1:4:optimizer",
         "--mecefo-inject", "hold:1:8", "--save", str(ckpt), "--save-interval", "10"]), restart_after=1, timeout=300)
     assert out.returncode == 0, out.stdout[-6000:]
-    assert "generation 1: members [0, 2], cover {1: 2}" in out.stdout
+    cover = "{1: [0, 2]}" if "spread" in flags else "{1: 2}"
+    assert f"generation 1: members [0, 2], cover {cover}" in out.stdout
     events = [json.loads(line) for line in (log_dir / "events_rank1.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "rejoined"] == [9]
     return out
@@ -188,7 +192,8 @@ def test_virtual_pipeline_stages_fold_exactly(mlm_checkout, tmp_path):
     """Upstream's interleaved schedule (P = 3, two virtual stages per rank) × D = 2: every model
     chunk runs the plan's micro-batches in order, each with its own data iterator as upstream's
     train() gives it. The last stage of replica 1 is SIGKILLed in step 4; replica 0 runs 2k
-    micro-batches through its interleaved pipeline, and the losses stay the unpatched run's.
+    micro-batches through its interleaved pipeline (cover "spread": with D = 2 the one survivor runs
+    everything, as the paper's rule), and the losses stay the unpatched run's.
     (P = 3 with `--no-overlap-p2p-communication`: at P = 2 upstream's interleaved schedule overlaps
     several sends between the same two ranks, which gloo does not keep apart: NaN on CPU without
     MeCeFO too.)"""
@@ -198,7 +203,7 @@ def test_virtual_pipeline_stages_fold_exactly(mlm_checkout, tmp_path):
         "--attention-dropout", "0", "--hidden-dropout", "0"] + virtual), script="pretrain_gpt_upstream.py")
     assert upstream.returncode == 0, upstream.stdout[-4000:]
     killed = mlm.mecefo_launch(mlm_checkout, 6, mlm.args(dp=2, iters=8, extra=EXACT + virtual + [
-        "--mecefo-log-dir", str(tmp_path / "log"), "--mecefo-inject", "kill:5:4"]))
+        "--mecefo-log-dir", str(tmp_path / "log"), "--mecefo-inject", "kill:5:4", "--mecefo-cover", "spread"]))
     assert killed.returncode == 0, killed.stdout[-6000:]
     assert "generation 1: members [0, 2, 4], cover {1: 0}" in killed.stdout
     want, got = mds.losses(upstream.stdout), mds.losses(killed.stdout)
@@ -215,7 +220,8 @@ def test_overlapped_reduction_in_upstreams_buckets(mlm_checkout, tmp_path, share
     all-reduce of that bucket starts then. 3 replicas, approximations off: the losses are those of
     the run without overlap, every bucket group of a healthy step after the first is launched
     during the backward; rank 1 SIGKILLed as it launches its first bucket of step 4 fails the step
-    like any reduction, and the survivors' losses stay the same (a hang in flight:
+    like any reduction, and the survivors' losses stay the same, with its micro-batches spread over
+    both (cover "spread"; a hang in flight:
     tests/data/test_pretrain_gpt_overlap.py). With the approximations on (3 replicas, rank 2 covering rank 1), the covering rank's
     buckets holding attention weights (whose gradients never arrive) are launched at the end of the
     backward, in the same order as rank 0's, and the run equals the same kill without overlap."""
@@ -225,9 +231,9 @@ def test_overlapped_reduction_in_upstreams_buckets(mlm_checkout, tmp_path, share
     want = mds.losses(plain.stdout)
     log_dir = tmp_path / "log"
     killed = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + overlap + [
-        "--mecefo-log-dir", str(log_dir), "--mecefo-inject", "kill:1:4:allreduce"]))
+        "--mecefo-log-dir", str(log_dir), "--mecefo-inject", "kill:1:4:allreduce", "--mecefo-cover", "spread"]))
     assert killed.returncode == 0, killed.stdout[-6000:]
-    assert "generation 1: members [0, 2], cover {1: 2}" in killed.stdout
+    assert "generation 1: members [0, 2], cover {1: [0, 2]}" in killed.stdout
     got = mds.losses(killed.stdout)
     assert sorted(got) == list(range(1, 13))
     for it in want:
