@@ -2,8 +2,8 @@
 examples/pretrain_gpt, each checked against the invariants of megatron_mecefo.elastic.chaos.
 
     python benchmarks/chaos.py                       # 200 toy + 20 pretrain_gpt + 10 layout + 40 sharded
-                                                     # + 10 checkout schedules (~1.6 h)
-    python benchmarks/chaos.py --toy 0 --pretrain 0 --layouts 0 --sharded 0   # the checkouts only
+                                                     # + 10 checkout + 60 spread schedules (~1.9 h)
+    python benchmarks/chaos.py --toy 0 --pretrain 0 --layouts 0 --sharded 0 --spread 0   # the checkouts only
     python benchmarks/chaos.py --toy 20 --pretrain 2 # a quick look
     python benchmarks/chaos.py --toy-seeds 17 42 --pretrain 0   # rerun given seeds (a kind with no
                                                      # schedules keeps its results in the JSON)
@@ -18,7 +18,9 @@ top of the toy's invariants, every element of the state is held by a finished ra
 fault-free run's, or the job gave up cleanly (a shard whose owner and copy holder failed together).
 "checkouts" runs upstream's own pretrain_gpt.py in patched snapshots (../shared/upstream) as
 D=2 x P=2: Megatron-DeepSpeed with DeepSpeed's pipeline engine (even seeds) and Megatron-LM with
-its 1F1B schedule (odd seeds), each for 40 steps.
+its 1F1B schedule (odd seeds), each for 40 steps. "spread" runs the toy job on 3 or 4 replicas with
+cover "spread" (a lost replica's micro-batches dealt over the survivors): the toy's invariants, with
+each generation's plan read from its regroup events.
 """
 
 from __future__ import annotations
@@ -64,10 +66,11 @@ def run_many(kind: str, seeds, work: Path, world_of, steps: int) -> dict:
             schedule = dataclasses.replace(schedule, pp=2)
         out = work / f"{kind}-{seed}"
         shutil.rmtree(out, ignore_errors=True)
-        if kind in ("toy", "sharded"):
+        if kind in ("toy", "sharded", "spread"):
             if world not in refs:
                 refs[world] = chaos_util.toy_reference(work / f"ref{world}", world)
-            outcome, bad, result = chaos_util.run_toy(schedule, out, refs[world], sharded=kind == "sharded")
+            outcome, bad, result = chaos_util.run_toy(schedule, out, refs[world], sharded=kind == "sharded",
+                                                      cover="spread" if kind == "spread" else "neighbour")
         elif kind == "checkouts":
             outcome, bad, result = chaos_util.run_checkout(schedule, out, checkouts, "mds" if seed % 2 == 0 else "mlm")
         else:
@@ -105,6 +108,8 @@ def main(argv=None) -> int:
     p.add_argument("--sharded-seeds", type=int, nargs="*", default=None)
     p.add_argument("--checkouts", type=int, default=10, help="schedules on the patched checkouts (seeds 2000..)")
     p.add_argument("--checkout-seeds", type=int, nargs="*", default=None)
+    p.add_argument("--spread", type=int, default=60, help='toy schedules with cover "spread" (seeds 3000..)')
+    p.add_argument("--spread-seeds", type=int, nargs="*", default=None)
     p.add_argument("--pretrain-steps", type=int, default=150)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chaos.json")
     args = p.parse_args(argv)
@@ -113,6 +118,7 @@ def main(argv=None) -> int:
     layout_seeds = args.layout_seeds if args.layout_seeds is not None else range(args.layouts)
     sharded_seeds = args.sharded_seeds if args.sharded_seeds is not None else range(1000, 1000 + args.sharded)
     checkout_seeds = args.checkout_seeds if args.checkout_seeds is not None else range(2000, 2000 + args.checkouts)
+    spread_seeds = args.spread_seeds if args.spread_seeds is not None else range(3000, 3000 + args.spread)
     t0 = time.monotonic()
     # a kind run with 0 schedules keeps its results from an earlier run (to rerun one kind only)
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
@@ -168,10 +174,18 @@ def main(argv=None) -> int:
                 "wall_s": round(time.monotonic() - t4, 1)}
         else:
             results["checkouts"] = old["checkouts"]
+        t5 = time.monotonic()
+        if len(spread_seeds) or "spread" not in old:
+            results["spread"] = run_many("spread", spread_seeds, work, lambda s: 3 + s % 2, chaos_util.TOY["steps"])
+            results["settings"]["spread"] = {**chaos_util.TOY, **chaos_util.TOY_TIMEOUTS, "ranks": "3-4",
+                                             "cover": "spread", "approximations": "off (exact fold)",
+                                             "wall_s": round(time.monotonic() - t5, 1)}
+        else:
+            results["spread"] = old["spread"]
     results["settings"].pop("wall_s", None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    total = sum(results[kind]["violations"] for kind in ("toy", "pretrain_gpt", "layouts", "sharded", "checkouts"))
+    total = sum(results[kind]["violations"] for kind in ("toy", "pretrain_gpt", "layouts", "sharded", "checkouts", "spread"))
     print(json.dumps({k: {x: v for x, v in r.items() if x != "failures"} for k, r in results.items() if k != "settings"},
                      indent=2))
     print(f"wrote {args.out}")

@@ -44,12 +44,12 @@ def toy_bound(schedule: chaos.Schedule) -> float:
 
 
 def run_toy(schedule: chaos.Schedule, out: Path, reference: Optional[dict], step_sleep: float = TOY["step_sleep"],
-            sharded: bool = False) -> tuple:
-    """Run one schedule on the toy job (`sharded`: the Adam state sharded with neighbour copies);
-    returns (outcome, violations, result)."""
+            sharded: bool = False, cover: str = "neighbour") -> tuple:
+    """Run one schedule on the toy job (`sharded`: the Adam state sharded with neighbour copies;
+    `cover`: the cover policy); returns (outcome, violations, result)."""
     script = [str(TOY_SCRIPT), "--out", str(out), "--steps", str(schedule.steps),
               "--k", str(TOY["k"]), "--mb", str(TOY["mb"]), "--step-sleep", str(step_sleep),
-              *EXACT, *timeout_flags(TOY_TIMEOUTS), *(["--sharded"] if sharded else [])]
+              *EXACT, *timeout_flags(TOY_TIMEOUTS), *(["--sharded"] if sharded else []), "--mecefo-cover", cover]
     bound = toy_bound(schedule) + 2 * step_sleep * TOY["k"] * schedule.steps
     result = chaos.run_schedule(schedule, script, out, limit_s=bound + 60, cwd=str(ROOT))
     outcome, bad = chaos.check_run(result, out, schedule, k=TOY["k"], bound_s=bound)

@@ -265,3 +265,43 @@ def test_sharded_compound_schedule(tmp_path, toy_references, name):
     else:
         assert outcome == "gave_up"
         assert "the sharded optimizer state lost elements" in result.stderr
+
+
+SPREAD = {
+    # cover "spread" (4 replicas, k = 2): replica 1's two micro-batches go to replicas 2 and 3; rank
+    # 2, holding one of them, dies in the reduction of a spread step; its restarted incarnation and
+    # rank 1's are admitted (the job waits for both at step 12), and a new plan deals the rest.
+    "a_rank_holding_adopted_micro_batches_dies": Schedule(3001, 4, 24, (
+        Fault("kill", 1, 3, "backward"), Fault("kill", 2, 6, "allreduce"), _hold(1, 12), _hold(2, 12)), 0.5),
+    # The deciding rank dies right after the survivors agreed (with its measured costs published in
+    # the agreement): that generation cannot form, the others agree again without it, and plan with
+    # what the new members posted.
+    "the_decider_dies_after_posting_its_costs": Schedule(3002, 4, 24, (
+        Fault("kill", 1, 3, "backward"), Fault("kill", 0, 3, "recovery")), None),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+@pytest.mark.parametrize("name", sorted(SPREAD))
+def test_spread_compound_schedule(tmp_path, toy_references, name):
+    """cover "spread" on the toy job (exact fold): the chaos invariants (every step's global batch
+    once, read from each generation's logged plan), the final state equal to the fault-free run's,
+    and the lost micro-batches on more than one survivor."""
+    schedule = SPREAD[name]
+    outcome, bad, result = chaos_util.run_toy(schedule, tmp_path, toy_references[schedule.world], cover="spread")
+    assert not bad, f"{schedule.describe()}\n" + "\n".join(bad) + "\n" + result.stderr[-4000:]
+    assert outcome == "finished"
+    plans = chaos.generation_plans(tmp_path, 4)
+    if name == "a_rank_holding_adopted_micro_batches_dies":
+        assert plans[1] == {"2": [[2, 0, False], [2, 1, False], [1, 0, False]],
+                            "3": [[3, 0, False], [3, 1, False], [1, 1, False]]}, "replica 1's micro-batches on 2 and 3"
+        # replicas 1 and 2 out: their four micro-batches on the two survivors, two each
+        assert plans[2] == {"0": [[0, 0, False], [0, 1, False], [2, 0, False], [2, 1, False]],
+                            "3": [[3, 0, False], [3, 1, False], [1, 0, False], [1, 1, False]]}
+        assert max(plans) >= 3 and plans[max(plans)] == {}, "both came back: nobody covers"
+    else:
+        assert [e["generation"] for e in chaos.events(tmp_path, 4, "regroup_failed") if e["rank"] == 2] == [1]
+        assert {e["generation"]: e["members"] for e in chaos.events(tmp_path, 4, "regroup") if e["rank"] == 2}[2] == [2, 3]
+        assert plans[2] == {"2": [[2, 0, False], [2, 1, False], [0, 0, False], [0, 1, False]],
+                            "3": [[3, 0, False], [3, 1, False], [1, 0, False], [1, 1, False]]}
