@@ -25,11 +25,13 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
-from megatron_mecefo.config import COVER_CHOICES
 from megatron_mecefo.elastic.fold import Fold, MicroBatch, fold_neighbor, with_attention_floor
 from megatron_mecefo.elastic.topology import CoverMap, ring_after
 
-__all__ = ["Costs", "CoverPlan", "plan_cover", "predict"]
+__all__ = ["COVER_POLICIES", "Costs", "CoverPlan", "plan_cover", "predict"]
+
+COVER_POLICIES = ("neighbour", "spread")
+"""config.COVER_CHOICES (config is above elastic/ and imports torch; the simulator imports this module)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +116,8 @@ def plan_cover(cover: CoverMap, k: int, costs: Costs, *, policy: str = "neighbou
             approximates as the paper does.
         approximate, skip_attention, attention_floor: as fold.fold_neighbor.
     """
-    if policy not in COVER_CHOICES:
-        raise ValueError(f"cover policy must be one of {COVER_CHOICES}, got {policy!r}")
+    if policy not in COVER_POLICIES:
+        raise ValueError(f"cover policy must be one of {COVER_POLICIES}, got {policy!r}")
     neighbour = fold_neighbor(cover, k, approximate=approximate, skip_attention=skip_attention,
                               attention_floor=attention_floor)
     if target is None:
@@ -164,13 +166,19 @@ def _split(lost: int, survivors: int, k: int, costs: Costs, target: float, appro
     within the target, then the fastest slowest survivor; if no split keeps every survivor within
     the target, the fastest slowest. A survivor's count to approximate jumps with what it adopts
     (a rounded-up share), so an even deal is not always best: a dynamic programme over the
-    survivors (identical, so only the multiset of counts matters)."""
+    survivors (identical, so only the multiset of counts matters; at most `lost` of them adopt any,
+    so O(min(survivors, lost) x lost^2))."""
     parts = [_part(c, k, costs, target, approximate) for c in range(lost + 1)]
+    # at most `lost` survivors adopt any: the DP runs over those, the rest adopt none
+    placed, idle = min(survivors, lost), survivors - min(survivors, lost)
 
     def best(feasible_only: bool):
+        if feasible_only and idle and not parts[0][0]:
+            return None
+        start = parts[0][2] if idle else 0.0
         # table[u]: (key, counts) of u micro-batches over the survivors placed so far
-        table = {0: ((0, 0.0), ())}
-        for _ in range(survivors):
+        table = {0: ((0, start) if feasible_only else (start, 0), ())}
+        for _ in range(placed):
             nxt = {}
             for u, (key, counts) in table.items():
                 for c in range(lost - u + 1):
@@ -182,7 +190,8 @@ def _split(lost: int, survivors: int, k: int, costs: Costs, target: float, appro
                     if u + c not in nxt or cand < nxt[u + c]:
                         nxt[u + c] = cand
             table = nxt
-        return table.get(lost)
+        found = table.get(lost)
+        return found and (found[0], found[1] + (0,) * idle)
 
     found = best(True) or best(False)
     return list(found[1])

@@ -15,11 +15,10 @@ by the survivors; a repair costs the rejoin (state transfer and regroup). When n
 lost) and is restarted (`restart_s`) on the replicas left, which then run the whole global batch
 between them (speed = live / D, exact) until repairs let replicas rejoin in-process.
 
-Two what-ifs beside the runtime's rule:
-* `spread=True` (not in the runtime): each lost replica's `micro_batches` are dealt out over all
-  survivors, who keep their own exact; an approximate micro-batch costs `cover_ratio / 2` of an
-  exact one (the covering rank runs two micro-batch loads approximately for `cover_ratio`), so a
-  step takes 1 + ceil(f m / (D - f)) / m * cover_ratio / 2, and only f / D of the data is approximate.
+The cover policy is the runtime's planner (`elastic/cover_plan.py`), with a covering micro-batch
+at `cover_ratio / 2` of an exact one: `cover="neighbour"` (the paper's rule, above) or "spread"
+(the lost micro-batches dealt over the survivors, as few approximated as keep the slowest replica
+within the paper's time, or within `budget` normal steps). A what-if beside it:
 * `sharded=True` (the sharded optimizer, elastic/zero.py): every failure and rejoin re-shards the
   optimizer state (`reshard_s` more), and a replica whose shard copy sat on a replica that failed
   with it (the next live one on the ring: in one domain, or already down) loses that range:
@@ -31,12 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import FrozenSet
+from typing import FrozenSet, Optional
 
-from megatron_mecefo.elastic.fold import fold_neighbor
+from megatron_mecefo.elastic.cover_plan import Costs, plan_cover
 from megatron_mecefo.elastic.topology import Grid, ring_cover
 from megatron_mecefo.errors import NoCoverAvailable
-from megatron_mecefo.sim.baselines import extra_micro_batches
 from megatron_mecefo.sim.engine import Rate, Transition
 from megatron_mecefo.sim.trace import Failure
 
@@ -63,7 +61,10 @@ class MeCeFO:
     """Give-up to training again (a new job on the replicas left, reading the checkpoint)."""
     approximate: str = "all"
     """The runtime's `approximate` option: "all" (the paper) or "adopted" (own micro-batches exact)."""
-    spread: bool = False
+    cover: str = "neighbour"
+    """The runtime's cover policy: "neighbour" (the paper) or "spread"."""
+    budget: Optional[float] = None
+    """The runtime's covering_budget: the slowest replica's time while covering, in normal steps."""
     micro_batches: int = 8
     """Micro-batches per replica and step (the spread's granularity)."""
     sharded: bool = False
@@ -119,15 +120,19 @@ class MeCeFO:
     def _fold_rate(self, cover) -> Rate:
         if not cover.degraded:
             return Rate(speed=1.0)
-        # the rate depends only on how many replicas adopt how many: fold once per such shape
-        shape = (len(cover.live), tuple(sorted(Counter(cover.cover.values()).values())))
+        # the rate depends only on how many replicas adopt how many (spread: on how many are live and
+        # failed): plan once per such shape
+        shape = (len(cover.live), len(cover.failed)) if self.cover == "spread" else \
+            (len(cover.live), tuple(sorted(Counter(cover.cover.values()).values())))
         if shape not in self._rates:
             self._rates[shape] = self._fold(cover)
         return self._rates[shape]
 
     def _fold(self, cover) -> Rate:
         k = self.micro_batches
-        fold = fold_neighbor(cover, k, approximate=self.approximate)
+        plan = plan_cover(cover, k, Costs(covering=min(1.0, self.cover_ratio / 2)), policy=self.cover,
+                          target=None if self.budget is None else self.budget * k, approximate=self.approximate)
+        fold = plan.fold
         busiest = max(sum(self.cover_ratio / 2 if m.covering else 1.0 for m in mbs) / k
                       for mbs in fold.assignments.values())
         covering = sum(m.covering for mbs in fold.assignments.values() for m in mbs)
@@ -139,10 +144,6 @@ class MeCeFO:
         live, cover, rate = self._plan(down)
         if self._fallback:
             return Rate(speed=len(live) / self.grid.dp, cause="fewer_replicas")
-        if self.spread and cover.degraded:
-            f, m = self.grid.dp - len(live), self.micro_batches
-            extra = extra_micro_batches(f, self.grid.dp, m)
-            return Rate(speed=1.0 / (1 + extra / m * self.cover_ratio / 2), approx=f / self.grid.dp)
         return rate
 
     def on_failure(self, down: FrozenSet[int], failure: Failure) -> Transition:

@@ -114,3 +114,12 @@ def test_neighbour_policy_is_the_papers_fold():
         plan_cover(cover, 3, Costs(), policy="nearest")
     with pytest.raises(ValueError, match="covering <= exact"):
         Costs(exact=1.0, covering=1.5)
+
+
+def test_the_policies_are_the_configs_choices():
+    from megatron_mecefo.config import COVER_CHOICES
+    from megatron_mecefo.elastic.cover_plan import COVER_POLICIES
+
+    assert COVER_POLICIES == COVER_CHOICES
+    with pytest.raises(ValueError, match="cover policy must be one of"):
+        plan_cover(ring_cover(Grid(dp=3), [0, 2]), 2, Costs(), policy="ring")

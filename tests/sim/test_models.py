@@ -167,15 +167,28 @@ def test_node_event_traces_repair_on_a_later_addition():
         tr.read_node_events(["0,add,a", "10,remove,z"])
 
 
-def test_spread_deals_the_lost_micro_batches_out_and_approximates_only_them():
+def test_spread_runs_the_runtimes_planner():
+    """cover "spread" in the simulator is elastic/cover_plan.py's plan: D = 8, k = 8, one replica
+    lost, a covering micro-batch at 0.6 of an exact one."""
+    from megatron_mecefo.elastic.cover_plan import Costs, plan_cover
+    from megatron_mecefo.elastic.topology import ring_cover
+
     grid = Grid(dp=8)
-    m = MeCeFO(grid, cover_ratio=1.2, spread=True, micro_batches=8)
-    r = m.rate(frozenset({3}))  # 8 micro-batches over 7 survivors: 2 extra each, at 0.6 of an exact one
-    assert r.speed == pytest.approx(1 / (1 + 2 / 8 * 0.6)) and r.approx == pytest.approx(1 / 8)
     neighbour = MeCeFO(grid, cover_ratio=1.2).rate(frozenset({3}))
     assert neighbour.speed == pytest.approx(1 / 1.2) and neighbour.approx == pytest.approx(2 / 8)
-    # one micro-batch per replica: a survivor runs a whole extra one, slower than the neighbour's rule
-    assert MeCeFO(grid, cover_ratio=1.0, spread=True, micro_batches=1).rate(frozenset({3})).speed == pytest.approx(1 / 1.5)
+    # the default target (the paper's 1.2): 8 lost over 7 survivors, [2, 1, 1, 1, 1, 1, 1], the one
+    # with two approximating one micro-batch (9.6 <= 9.6): 1.2 with 1 of 64 approximated
+    r = MeCeFO(grid, cover_ratio=1.2, cover="spread", micro_batches=8).rate(frozenset({3}))
+    plan = plan_cover(ring_cover(grid, [0, 1, 2, 4, 5, 6, 7]), 8, Costs(covering=0.6), policy="spread")
+    assert r.speed == pytest.approx(8 / plan.slowest) and r.approx == pytest.approx(plan.approximated / 64)
+    assert r.speed >= neighbour.speed - 1e-12 and r.approx < neighbour.approx
+    # a budget of 1.0: no slowdown, for more approximated micro-batches than the paper's (20 of 64:
+    # a survivor adopting one must approximate three to stay within 8 exact ones' time)
+    b = MeCeFO(grid, cover_ratio=1.2, cover="spread", budget=1.0, micro_batches=8).rate(frozenset({3}))
+    assert b.speed == pytest.approx(1.0) and b.approx == pytest.approx(20 / 64)
+    # one micro-batch per replica: the lost one cannot be split, spread is the neighbour's rule
+    one = MeCeFO(grid, cover_ratio=1.0, cover="spread", micro_batches=1).rate(frozenset({3}))
+    assert one.speed == pytest.approx(1.0) and one.approx <= 2 / 8
 
 
 @pytest.mark.parametrize("on_loss", ["give_up", "reinit"])
