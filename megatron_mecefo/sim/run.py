@@ -176,6 +176,7 @@ SYSTEMS: Dict[str, Callable[[Setup], tuple]] = {
     "mecefo": _mecefo(),
     "mecefo_adopted": _mecefo(approximate="adopted"),
     "mecefo_spread": _mecefo(cover="spread"),
+    "mecefo_spread_budget1.05": _mecefo(cover="spread", budget=1.05),
     "mecefo_spread_budget1": _mecefo(cover="spread", budget=1.0),
     "mecefo_sharded": _mecefo(sharded=True, on_shard_loss="give_up"),
     "mecefo_sharded_reinit": _mecefo(sharded=True, on_shard_loss="reinit"),
