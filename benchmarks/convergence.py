@@ -45,6 +45,13 @@ budget can run one of the covering rank's two own micro-batches exact), training
     python benchmarks/convergence.py --lr 1e-3 --ranks 4 --scenarios high high_gradient high_budget \
         --seeds 1234 1235 --skip-grad-error --out benchmarks/results/convergence_budget.json   # ~20 min
 
+Spreading a lost replica (`cover: "spread"`) against the paper's rule, with k = 4 micro-batches per
+replica (4 ranks, global batch 32), the default target and a budget of 1.05:
+
+    python benchmarks/convergence.py --lr 1e-3 --ranks 4 --global-batch-size 32 \
+        --scenarios high high_spread high_spread_budget --seeds 1234 1235 1236 1237 --skip-grad-error \
+        --out benchmarks/results/convergence_spread.json
+
 What the exact-attention floor does when half the job is down: 4 ranks, ranks 1 and 3 down together
 for the middle `--two-down-steps` steps, so both survivors cover and the paper's rule leaves
 attention no exact gradient at all; against the same with `attention_floor: 0.5`.
@@ -86,9 +93,12 @@ SCENARIOS = {
     "high_activation": (FRACTION["high"], ["--mecefo-basis", "activation"]),
     # ... on the directions of the last aggregated gradient without covering
     "high_gradient": (FRACTION["high"], ["--mecefo-basis", "gradient"]),
-    # the covering rank runs as many own micro-batches exact as keep its step within 1.5x a normal one
-    # (needs k > 1 to act below ~1.5x: run with --global-batch-size 2 x 2 x ranks or more)
+    # the covering replica approximates only as many micro-batches as keep its step within 1.5x a
+    # normal one (needs k > 1 to act below ~1.5x: run with --global-batch-size 2 x 2 x ranks or more)
     "high_budget": (FRACTION["high"], ["--mecefo-covering-budget", "1.5"]),
+    # cover "spread": the lost micro-batches dealt over the survivors (needs k > 1; k >= 4 to matter)
+    "high_spread": (FRACTION["high"], ["--mecefo-cover", "spread"]),
+    "high_spread_budget": (FRACTION["high"], ["--mecefo-cover", "spread", "--mecefo-covering-budget", "1.05"]),
 }
 
 
@@ -117,7 +127,11 @@ def run(args, out: Path, extra, seed: int):
     down = sum(args.ranks - len(steps[s]["live"]) for s in steps) / (len(steps) * args.ranks)
     return {"val_loss": val[-1], "loss_curve": curve, "fraction_down": down, "wall_s": time.time() - t0,
             "failures": proc.stderr.count("[mecefo inject]"),
-            "covering_own_exact_share": sum(own_exact) / len(own_exact) if own_exact else None}
+            "covering_own_exact_share": sum(own_exact) / len(own_exact) if own_exact else None,
+            # the cover plans' predicted slowest replica over a healthy step (regroup events)
+            "predicted_slowest_ratio_max": max((e["plan"]["slowest_ratio"] for p in out.glob("events_rank*.jsonl")
+                                                for e in map(json.loads, p.read_text().splitlines())
+                                                if e["event"] == "regroup" and "plan" in e), default=None)}
 
 
 def evenly_spaced_failures(args, fraction):
