@@ -80,6 +80,11 @@ def run_many(kind: str, seeds, work: Path, world_of, steps: int) -> dict:
         summary["gave_up_cleanly"] += outcome == "gave_up"
         summary["faults_fired"] += result.stderr.count("[mecefo inject]")
         summary["rejoins"] += len(chaos.events(out, world, "rejoined"))
+        if kind == "spread":  # schedules in which some generation dealt a lost replica over several survivors
+            plans = chaos.generation_plans(out, world).values()
+            summary["spread_over_several"] = summary.get("spread_over_several", 0) + any(
+                len({r for r, mbs in plan.items() if any(m[0] == f for m in mbs)}) > 1
+                for plan in plans for f in {m[0] for mbs in plan.values() for m in mbs})
         summary["slowest_recovery_s"] = max(summary["slowest_recovery_s"], slowest_recovery(out, world))
         summary["slowest_run_s"] = max(summary["slowest_run_s"], result.elapsed_s)
         if bad:

@@ -20,11 +20,13 @@ its time model with the measured costs. A list is run once per composition (how 
 covering micro-batches) and shared by the rows that have it.
 
     python benchmarks/covering_spread.py --model A        # setup A (covering_cost.py's size), ~10 min
-    python benchmarks/covering_spread.py --model 1b       # LLaMA-1B layer size (1 layer, seq 512), ~25 min
+    python benchmarks/covering_spread.py --model 1b --dp 8 --k 1 2 4 --repeats 3   # LLaMA-1B layer size, ~10 min
     python benchmarks/covering_spread.py --model A --quick
 
-Writes benchmarks/results/covering_spread.json (rows of every model run so far: a run replaces its
-model's rows) and covering_spread.png.
+Writes benchmarks/results/covering_spread.json (a run replaces the rows it measures and keeps the
+others; each row says the covering/exact ratio it was planned with) and covering_spread.png.
+
+    python benchmarks/covering_spread.py --model 1b --dp 8 --k 4 --failures 1 --budgets 1.06 1.08   # more budgets
 """
 
 from __future__ import annotations
@@ -53,10 +55,11 @@ from megatron_mecefo.elastic.topology import Grid, ring_cover  # noqa: E402
 MODELS = {
     # covering_cost.py's default size (setup A of docs/results.md)
     "A": dict(hidden=512, ffn=None, heads=8, layers=4, seq=256, micro_batch=4),
-    # LLaMA-1B's layer (hidden 2048, SwiGLU 5504, 16 heads), one layer and seq 512 to fit a 2-core CPU
-    "1b": dict(hidden=2048, ffn=5504, heads=16, layers=1, seq=512, micro_batch=1),
+    # LLaMA-1B's layer (hidden 2048, SwiGLU 5504, 16 heads) at seq 1024 as covering_cost.py's 1B run,
+    # one layer instead of two to fit a 2-core CPU
+    "1b": dict(hidden=2048, ffn=5504, heads=16, layers=1, seq=1024, micro_batch=1),
 }
-POLICIES = (("neighbour", None), ("spread", None), ("spread", 1.05), ("spread", 1.0))
+BUDGETS = (1.05, 1.0)
 
 
 def parse_args(argv=None):
@@ -65,6 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--dp", type=int, nargs="+", default=[4, 8])
     p.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--failures", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS), help='"spread" rows at these budgets')
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--cost-repeats", type=int, default=5, help="round-robin runs of a healthy and a covering step (k = 4)")
     p.add_argument("--threads", type=int, default=2)
@@ -126,12 +130,13 @@ def main(argv=None):
             for failures in args.failures:
                 failed = failed_replicas(dp, failures)
                 cover = ring_cover(Grid(dp=dp), [r for r in range(dp) if r not in failed])
-                for name, budget in POLICIES:
+                for name, budget in (("neighbour", None), ("spread", None), *(("spread", b) for b in args.budgets)):
                     plan = plan_cover(cover, k, costs, policy=name, target=None if budget is None else budget * k)
                     slowest = max(plan.predicted, key=lambda r: (plan.predicted[r], r))
                     mbs = plan.fold.assignments[slowest]
                     n_cov = sum(m.covering for m in mbs)
                     plans.append(dict(policy=name, budget=budget, D=dp, k=k, failures=failures, model=args.model,
+                                      covering_over_exact_planned=costs.covering,
                                       composition=(len(mbs) - n_cov, n_cov),
                                       predicted_ratio=plan.slowest / k, approximated=plan.approximated,
                                       adopting_replicas=len({r for rs in plan.runners().values() for r in rs}),
@@ -154,15 +159,21 @@ def main(argv=None):
                      "slowest_ratio_spread": [t / healthy for t in sorted(times[comp])],
                      "predicted_ratio": p["predicted_ratio"]})
     out = json.loads(args.out.read_text()) if args.out.exists() else {}
+    described = (f"LLaMA-style GPT (Megatron-Core, MeCeFO spec): {args.layers} layers, hidden {args.hidden}, "
+                 f"ffn {args.ffn or 'default'} (SwiGLU), {args.heads} heads, seq {args.seq}, micro-batch {args.micro_batch}")
+    if out.get("setup", {}).get(args.model, {}).get("model") != described:  # another model under the name
+        out["rows"] = [r for r in out.get("rows", []) if r["model"] != args.model]
     out.setdefault("setup", {})[args.model] = dict(
-        model=f"LLaMA-style GPT (Megatron-Core, MeCeFO spec): {args.layers} layers, hidden {args.hidden}, "
-              f"ffn {args.ffn or 'default'} (SwiGLU), {args.heads} heads, seq {args.seq}, micro-batch {args.micro_batch}",
+        model=described,
         device=args.device, threads=args.threads, repeats=args.repeats, torch=torch.__version__,
         machine=platform.machine(), date=time.strftime("%Y-%m-%d"),
         exact_micro_batch_s=e, covering_micro_batch_s=c, covering_over_exact=c / e,
         costs_planned_with=dict(exact=costs.exact, covering=costs.covering),
         command=f"python benchmarks/covering_spread.py --model {args.model}" + (" --quick" if args.quick else ""))
-    out["rows"] = [r for r in out.get("rows", []) if r["model"] != args.model] + rows
+    key = lambda r: (r["model"], r["D"], r["k"], r["failures"], r["policy"], r["budget"])  # noqa: E731
+    new = {key(r) for r in rows}
+    out["rows"] = sorted([r for r in out.get("rows", []) if key(r) not in new] + rows,
+                         key=lambda r: (r["model"], r["D"], r["k"], r["failures"], r["policy"], -(r["budget"] or 9)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print_table(rows)
@@ -190,7 +201,7 @@ def plot(out, path: Path) -> None:
 
     models = sorted({r["model"] for r in out["rows"]})
     fig, axes = plt.subplots(len(models), 1, figsize=(13, 3.6 * len(models)), squeeze=False)
-    names = [n if b is None else f"{n}@{b:g}" for n, b in POLICIES]
+    names = sorted({label(r) for r in out["rows"]}, key=lambda n: (n != "neighbour", n != "spread", n))
     for ax, m in zip(axes[:, 0], models):
         rows = [r for r in out["rows"] if r["model"] == m]
         groups = sorted({(r["D"], r["k"], r["failures"]) for r in rows})
