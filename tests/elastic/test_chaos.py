@@ -179,13 +179,19 @@ def toy_references(tmp_path_factory):
     return {w: chaos_util.toy_reference(tmp_path_factory.mktemp(f"ref{w}"), w) for w in (2, 3, 4)}
 
 
+def run_clean(tmp_path, references, schedule, **options):
+    """Run `schedule` on the toy job; no invariant may be violated. Returns (outcome, result)."""
+    outcome, bad, result = chaos_util.run_toy(schedule, tmp_path, references[schedule.world], **options)
+    assert not bad, f"{schedule.describe()}\n" + "\n".join(bad) + "\n" + result.stderr[-4000:]
+    return outcome, result
+
+
 @pytest.mark.dist
 @pytest.mark.fault
 @pytest.mark.parametrize("name", sorted(REGRESSIONS))
 def test_compound_schedule(tmp_path, toy_references, name):
     schedule = REGRESSIONS[name]
-    outcome, bad, result = chaos_util.run_toy(schedule, tmp_path, toy_references[schedule.world])
-    assert not bad, f"{schedule.describe()}\n" + "\n".join(bad) + "\n" + result.stderr[-4000:]
+    outcome, result = run_clean(tmp_path, toy_references, schedule)
     fired = result.stderr.count("[mecefo inject]")
     holds = [f for f in schedule.faults if f.kind == "hold"]
     waited = chaos.events(tmp_path, schedule.world, "hold")
@@ -249,8 +255,7 @@ def test_sharded_compound_schedule(tmp_path, toy_references, name):
     """The toy job with its Adam state sharded (neighbour copies): the chaos invariants, and every
     element of the state held by a finished rank and equal to the fault-free run's."""
     schedule = SHARDED[name]
-    outcome, bad, result = chaos_util.run_toy(schedule, tmp_path, toy_references[schedule.world], sharded=True)
-    assert not bad, f"{schedule.describe()}\n" + "\n".join(bad) + "\n" + result.stderr[-4000:]
+    outcome, result = run_clean(tmp_path, toy_references, schedule, sharded=True)
     if name == "gather_then_reshard_during_the_rejoin":
         assert outcome == "finished"
         assert [e["step"] for e in chaos.events(tmp_path, 4, "gather_failed") if e["rank"] == 0] == [4]
@@ -283,14 +288,12 @@ SPREAD = {
 
 @pytest.mark.dist
 @pytest.mark.fault
-@pytest.mark.parametrize("name", sorted(SPREAD))
-def test_spread_compound_schedule(tmp_path, toy_references, name):
+@pytest.mark.parametrize("name, schedule", sorted(SPREAD.items()))
+def test_spread_compound_schedule(tmp_path, toy_references, name, schedule):
     """cover "spread" on the toy job (exact fold): the chaos invariants (every step's global batch
     once, read from each generation's logged plan), the final state equal to the fault-free run's,
     and the lost micro-batches on more than one survivor."""
-    schedule = SPREAD[name]
-    outcome, bad, result = chaos_util.run_toy(schedule, tmp_path, toy_references[schedule.world], cover="spread")
-    assert not bad, f"{schedule.describe()}\n" + "\n".join(bad) + "\n" + result.stderr[-4000:]
+    outcome, result = run_clean(tmp_path, toy_references, schedule, cover="spread")
     assert outcome == "finished"
     plans = chaos.generation_plans(tmp_path, 4)
     if name == "a_rank_holding_adopted_micro_batches_dies":
