@@ -116,10 +116,11 @@ def run(args, out: Path, extra, seed: int):
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     val = [float(x) for x in re.findall(r"validation loss at iteration \d+ \| lm loss value: (\S+) \|", proc.stdout)]
-    steps, own_exact = {}, []
+    steps, own_exact, approximated = {}, [], 0
     for p in out.glob("steps_rank*.jsonl"):
         for r in map(json.loads, p.read_text().splitlines()):
             steps.setdefault(r["step"], r)
+            approximated += sum(1 for m in r.get("micro_batches", []) if m[2])
             mbs = r.get("micro_batches", [])
             if len({m[0] for m in mbs}) > 1:  # a covering rank: did its own micro-batches run exact?
                 own_exact += [not covering for replica, _, covering in mbs if replica == mbs[0][0]]
@@ -128,6 +129,8 @@ def run(args, out: Path, extra, seed: int):
     return {"val_loss": val[-1], "loss_curve": curve, "fraction_down": down, "wall_s": time.time() - t0,
             "failures": proc.stderr.count("[mecefo inject]"),
             "covering_own_exact_share": sum(own_exact) / len(own_exact) if own_exact else None,
+            # micro-batches run with the approximate backward, over the run (T = P = 1: a record per replica)
+            "approximated_micro_batches": approximated,
             # the cover plans' predicted slowest replica over a healthy step (regroup events)
             "predicted_slowest_ratio_max": max((e["plan"]["slowest_ratio"] for p in out.glob("events_rank*.jsonl")
                                                 for e in map(json.loads, p.read_text().splitlines())
