@@ -110,7 +110,7 @@ def run(args, out: Path, extra, seed: int):
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(args.ranks), "--master-port", "0",
            "--restart-failed-after", "0.5", "--max-restarts", "20", str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"),
            *MODEL, *lr_flags(args), "--seed", str(seed), "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.iters), "--eval-interval", str(args.iters), "--eval-iters", str(args.eval_iters),
-           "--log-interval", "10", "--mecefo", "--mecefo-rank", str(args.mecefo_rank), "--mecefo-log-dir", str(out), *extra]
+           "--log-interval", "10", "--mecefo", "--mecefo-rank", str(args.mecefo_rank), "--mecefo-log-dir", str(out), *args.mecefo_flags.split(), *extra]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600, check=False)
     if proc.returncode != 0:
@@ -239,6 +239,7 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay to a tenth)")
     p.add_argument("--eval-iters", type=int, default=128, help="validation micro-batches (128 x 2 x 128 tokens)")
     p.add_argument("--mecefo-rank", type=int, default=32, help="r of the low-rank FFN gradient (32 of hidden 128)")
+    p.add_argument("--mecefo-flags", default="", help='more MeCeFO flags for every run, e.g. "--mecefo-tau 1"')
     p.add_argument("--recovery-steps", type=int, default=60,
                    help="nominal steps a failed rank stays down (longer than a restart takes)")
     p.add_argument("--first-failure-step", type=int, default=20, help="no failure during the LR warm-up")
