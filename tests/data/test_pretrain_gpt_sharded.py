@@ -18,17 +18,18 @@ pytestmark = [pytest.mark.dist, pytest.mark.fault]
 EXACT = ["--mecefo", "--no-mecefo-skip-attention", "--no-mecefo-lowrank-ffn", "--mecefo-recompute-ffn", "never"]
 
 
-def ds_config(tmp_path, stage):
+def ds_config(tmp_path, stage, mecefo=None):
     path = tmp_path / f"ds{stage}.json"
     path.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95], "torch_adam": True}},
-                                "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}}))
+                                "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
+                                **({"mecefo": mecefo} if mecefo else {})}))
     return str(path)
 
 
-def run(tmp_path, nproc, stage, *extra, launcher=(), expect=0, iters=8):
+def run(tmp_path, nproc, stage, *extra, launcher=(), expect=0, iters=8, mecefo=None):
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(nproc), "--master-port", "0",
            *launcher, str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"), *SMALL, "--global-batch-size", "12",
-           "--train-iters", str(iters), "--eval-interval", str(iters), "--deepspeed_config", ds_config(tmp_path, stage),
+           "--train-iters", str(iters), "--eval-interval", str(iters), "--deepspeed_config", ds_config(tmp_path, stage, mecefo),
            *extra]
     proc = run_launcher(cmd, timeout=300)
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -64,14 +65,14 @@ def test_sharded_run_equals_replicated_through_a_kill_after_the_commit_and_a_rej
     """Rank 1 (owner of the middle shard) is SIGKILLed after step 3's commit and restarted; the job
     waits for it at step 5 (hold). The survivors' parameter gather fails and they regroup at once
     (its shard's update lives on in rank 2's copy); the restarted rank receives its shard and copy.
-    With cover "spread" its two micro-batches go one to each survivor (the shard copy stays on
-    rank 2, the ring neighbour). (A kill before the commit: the re-shard tests below, the reinit
+    With ds_config "mecefo": {"cover": "spread"} its two micro-batches go one to each survivor
+    (the shard copy stays on rank 2, the ring neighbour). (A kill before the commit: the re-shard tests below, the reinit
     test and the chaos schedules.)"""
     phase = "optimizer"
     logs = tmp_path / "logs"
-    out = run(tmp_path, 3, 1, *EXACT, "--mecefo-cover", "spread", "--mecefo-inject", f"kill:1:3:{phase}",
-              "--mecefo-inject", "hold:1:5", "--mecefo-log-dir", str(logs), "--mecefo-log-param-hash",
-              launcher=["--restart-failed-after", "0"]).stdout
+    out = run(tmp_path, 3, 1, *EXACT, "--mecefo-inject", f"kill:1:3:{phase}", "--mecefo-inject", "hold:1:5",
+              "--mecefo-log-dir", str(logs), "--mecefo-log-param-hash", launcher=["--restart-failed-after", "0"],
+              mecefo={"cover": "spread"}).stdout
     assert "optimizer state sharded over 3 replicas (shard_redundancy=neighbour)" in out
     assert "cover 1->0+2" in out and "live 3/3" in out.split("cover 1->0+2")[-1], "degraded, then whole again"
     spread = [(rank, rec["micro_batches"]) for rank in (0, 2) for rec in steps_of(logs, rank) if rec["step"] == 4]
