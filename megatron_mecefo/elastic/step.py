@@ -42,12 +42,14 @@ D replicas of T * P ranks each):
 4. Regroup (formation.py, `Formation.form`): a data-parallel group per (tp, pp) position over the store's
    `gen{g+1}` prefix (groups.py); a sharded optimizer state re-sharded over the survivors from the
    neighbour copies (zero.py); the new cover map (topology.ring_cover: rank 3's replica's ring
-   neighbour adopts it) and fold (fold.py: which micro-batches each replica runs, in which mode,
-   and the divisors). No neighbour left, or a shard lost with its copy: GaveUp, a checkpoint of the
-   last committed step and exit 3 (errors.run_to_exit).
+   neighbour adopts it) and plan (cover_plan.py, from the costs the members posted with their
+   check-in, costs.py: which micro-batches each replica runs, in which mode, and the divisors;
+   "neighbour" or "spread"). No neighbour left, or a shard lost with its copy: GaveUp, a
+   checkpoint of the last committed step and exit 3 (errors.run_to_exit).
 5. Redo. `run` (or the host's own loop, whose step counter did not move) begins the same step:
-   `begin` hands out the new plan, the neighbour runs its own and the adopted micro-batches in
-   covering mode (approx/), and the step commits with every sample of the global batch once.
+   `begin` hands out the new plan, the replicas run their own and adopted micro-batches, the
+   covering ones in covering mode (approx/), and the step commits with every sample of the global
+   batch once.
 6. Rejoin. The launcher restarts rank 3's replica; it asks to join, a later commit admits it at a
    step boundary, the next `begin` forms the generation with it and a member sends it the training
    state (transfer.py); its neighbour stops covering.
