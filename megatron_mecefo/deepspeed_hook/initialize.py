@@ -13,6 +13,7 @@ from megatron_mecefo.deepspeed_hook.checkpoint import load_checkpoint, restrict_
 from megatron_mecefo.deepspeed_hook.ds_config import (bf16_parameters, engine_clipping, overlap_bucket,
                                                       replica_ds_config, zero_stage)
 from megatron_mecefo.deepspeed_hook.engine import MeCeFOEngine
+from megatron_mecefo.deepspeed_hook.zero_checkpoint import skip_zero_optimizer, zero_files, zero_state
 from megatron_mecefo.elastic.attach import attach
 from megatron_mecefo.elastic.bootstrap import init_distributed, replica_groups_time_out
 from megatron_mecefo.elastic.groups import default_backend
@@ -93,19 +94,24 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
         **kwargs,
     )
     restrict_checkpoint_loading(engine)
-    load = (lambda: load_checkpoint(engine, load_dir)) if load_dir is not None else None
+
+    def load():
+        with skip_zero_optimizer():  # a ZeRO checkpoint's optimizer files: read by the sharded state
+            load_checkpoint(engine, load_dir)
+
     save = (lambda: save_checkpoint(engine, save_dir)) if save_dir is not None else None
     return wrap_engine(engine, cfg, job, tensor_parallel=tp, pipeline_parallel=pp, micro_batches=k,
                        micro_batch_size=mb, clip_grad=clip, backend=backend, train_iters=train_iters,
-                       save=save, load=load, save_dir=save_dir, load_dir=load_dir, sharded=sharded,
-                       overlap_bucket=overlap_bucket(config))
+                       save=save, load=load if load_dir is not None else None, save_dir=save_dir,
+                       load_dir=load_dir, sharded=sharded, overlap_bucket=overlap_bucket(config))
 
 
 def wrap_engine(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: int, pipeline_parallel: int,
                 micro_batches: int, micro_batch_size: int, clip_grad: float = 0.0, backend: Optional[str] = None,
                 train_iters: Optional[int] = None, save=None, load=None, extra_state=None,
                 module_state=None, sharded: bool = False, save_dir: Optional[str] = None,
-                load_dir: Optional[str] = None, overlap_bucket: Optional[int] = None) -> MeCeFOEngine:
+                load_dir: Optional[str] = None, load_optimizer: bool = True,
+                overlap_bucket: Optional[int] = None) -> MeCeFOEngine:
     """Join the job with a DeepSpeed engine built over this rank's replica (elastic.attach): its
     state hooks (module, optimizer, scheduler, counters, RNG; what a rejoining rank receives), the
     give-up checkpoint and, with `sharded`, its optimizer state sharded over the replicas. Shared
@@ -120,7 +126,8 @@ def wrap_engine(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: i
         module_state: (get, set) of the module's state (default: `state_dict` / `load_state_dict`;
             legacy Megatron models load only their `state_dict_for_save_checkpoint` format).
         sharded: shard the engine's optimizer state over the live replicas (ZeRO-1, elastic/zero.py);
-            `save_dir` / `load_dir`: where its shard files go / come from (beside DeepSpeed's).
+            `save_dir` / `load_dir`: where its shard files go / come from (beside DeepSpeed's);
+            `load_optimizer` False: start a fresh optimizer state (Megatron's --no-load-optim).
     """
     get_module, set_module = module_state or (engine.module.state_dict, engine.module.load_state_dict)
 
@@ -147,12 +154,7 @@ def wrap_engine(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: i
     if job.incarnation == 0:
         if load is not None:
             load()
-        latest = os.path.join(load_dir, "latest") if load_dir else None
-        if shards is not None and latest and os.path.exists(latest):
-            # a sharded checkpoint's shard files; else the (replicated) state DeepSpeed loaded
-            with open(latest) as f:
-                tag = os.path.join(load_dir, f.read().strip())
-            load_shards = tag if shards.has_files(tag) else None
+        load_shards = _loaded_optimizer_state(engine, shards, load_dir) if load_optimizer else None
     state = StateHooks(*training_state((get_module, set_module), engine.optimizer, engine.lr_scheduler,
                                        (counters, set_counters)), save_checkpoint=save, save_shards=save_shards)
     driver = attach(cfg, job, wrapper.host, micro_batches=micro_batches, micro_batch_size=micro_batch_size, state=state,
@@ -161,3 +163,23 @@ def wrap_engine(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: i
                     train_iters=train_iters, backend=backend)
     replica_groups_time_out(cfg.collective_timeout_s)  # DeepSpeed's and Megatron-DeepSpeed's groups too
     return wrapper.join(driver, overlap_bucket)
+
+
+def _loaded_optimizer_state(engine, shards: Optional[ShardedOptimizer], load_dir: Optional[str]):
+    """What the optimizer state starts from after DeepSpeed loaded `load_dir`: MeCeFO's shard files,
+    or a ZeRO checkpoint's partitions (zero_checkpoint.py), for the sharded state; None: the state
+    DeepSpeed loaded (replicated), or none. Raises ValueError for a ZeRO checkpoint without the
+    sharded state (its optimizer files would be left unread) or one of another model."""
+    latest = os.path.join(load_dir, "latest") if load_dir else None
+    if latest is None or not os.path.exists(latest):
+        return None
+    with open(latest) as f:
+        tag = os.path.join(load_dir, f.read().strip())
+    if shards is None:
+        if zero_files(tag, engine.checkpoint_mp_rank):
+            raise ValueError(f"{tag} holds a ZeRO optimizer state (DeepSpeed's zero_pp_rank_* files): resume it with "
+                             'ds_config "zero_optimization": {"stage": 1} (MeCeFO shards it over the replicas)')
+        return None
+    if shards.has_files(tag):
+        return tag
+    return zero_state(tag, [b - a for a, b in shards.group_bounds], shards.keys, engine.checkpoint_mp_rank)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mecefo.elastic.shards import Reshard, ShardLayout, reshard
+from megatron_mecefo.elastic.state_source import Piece, StateSource
 from megatron_mecefo.errors import GaveUp
 
 __all__ = ["ShardedOptimizer", "ShardLost", "innermost_optimizer"]
@@ -158,7 +159,7 @@ class ShardedOptimizer:
         self.held: Dict[str, _Held] = {}
         self.group = None
         self._group_replicas: List[int] = []
-        self._source: Optional[List[Tuple[int, int, str]]] = None  # shard files to start from (--load)
+        self._source: Optional[StateSource] = None  # a checkpoint's state to start from (--load)
         self.gather_error: Optional[BaseException] = None
         self.last_reshard: Optional[Reshard] = None
         optimizer.step = self.step  # the host's wrappers (clipping, scheduler, counters) stay as they are
@@ -495,11 +496,11 @@ class ShardedOptimizer:
         for i, k in enumerate(self.fresh_scalars, start=len(self.keys)):
             held.scalars[k][at] = payload[i * n:(i + 1) * n]
 
-    # -- the whole state (before the first generation): the host optimizer's, or shard files -------
+    # -- the whole state (before the first generation): the host optimizer's, or a checkpoint's ----
 
     def _whole_state(self, start: int, end: int) -> torch.Tensor:
         if self._source is not None:
-            return torch.cat([self._file_slice(k, start, end) for k in self.keys])
+            return torch.cat([self._source.read(k, start, end) for k in self.keys])
         out = []
         for k in self.keys:
             if k == "master":
@@ -514,29 +515,14 @@ class ShardedOptimizer:
         return torch.cat(out)
 
     def _whole_scalar_elems(self, start: int, end: int) -> List[torch.Tensor]:
-        out = [torch.full((end - start,), float(v)) for v in self.fresh_scalars.values()]
         if self._source is not None:
-            for a, b, path in self._source:
-                for seg_a, seg_b, values in torch.load(path, weights_only=True, mmap=True)["segments"]:
-                    lo, hi = max(start, seg_a), min(end, seg_b)
-                    if lo < hi:
-                        for i, k in enumerate(self.fresh_scalars):
-                            out[i][lo - start:hi - start] = float(values[k])
-            return out
+            return self._source.scalars(self.fresh_scalars, start, end)
+        out = [torch.full((end - start,), float(v)) for v in self.fresh_scalars.values()]
         for p, sl, at in self._spans(start, end):
             st = self.optimizer.state.get(p)
             if st:
                 for i, k in enumerate(self.fresh_scalars):
                     out[i][at:at + sl.stop - sl.start] = float(st[k])
-        return out
-
-    def _file_slice(self, key: str, start: int, end: int) -> torch.Tensor:
-        out, covered = torch.zeros(end - start), start
-        for a, b, path in self._source:
-            lo, hi = max(start, a), min(end, b)
-            if lo < hi:
-                data = torch.load(path, weights_only=True, mmap=True)["state"][key]
-                out[lo - start:hi - start] = data[lo - a:hi - a]
         return out
 
     # -- checkpoints: one file per held range, written by its holder -----------------------------
@@ -560,26 +546,31 @@ class ShardedOptimizer:
     def has_files(self, directory: str) -> bool:
         return bool(glob.glob(os.path.join(directory, SHARD_FILE.format(tag=self.tag, start="*", end="*"))))
 
-    def load(self, directory: str) -> None:
-        """Start the first generation from the shard files under `directory` (any number of replicas
-        wrote them). Raises ValueError when they are of another model or do not cover the state."""
-        files = []
+    def load(self, source) -> None:
+        """Start the first generation from a checkpoint's state: a StateSource (state_source.py), or
+        a directory of this position's shard files (any number of replicas wrote them). Raises
+        ValueError when it is of another model or optimizer, or does not cover the state."""
+        if not isinstance(source, StateSource):
+            source = self._shard_files(source)
+        source.check(self.numel, self.keys)
+        self._source = source
+
+    def _shard_files(self, directory: str) -> StateSource:
+        pieces, keys = [], self.keys
         for path in glob.glob(os.path.join(directory, SHARD_FILE.format(tag=self.tag, start="*", end="*"))):
             head = torch.load(path, weights_only=True, mmap=True)
             if head["numel"] != self.numel or list(head["keys"]) != self.keys:
                 raise ValueError(f"{path}: optimizer state of {head['numel']} elements {head['keys']}, this model's "
                                  f"optimizer has {self.numel} {self.keys}")
-            files.append((int(head["start"]), int(head["end"]), path))
-        files.sort()
-        reach = 0
-        for a, b, _ in files:
-            if a > reach:
-                break
-            reach = max(reach, b)
-        if reach < self.numel:
-            raise ValueError(f"{directory}: the optimizer shard files cover [0, {reach}) of {self.numel} elements "
-                             "(a range was lost when the job ended); this checkpoint cannot resume the optimizer")
-        self._source = files
+            a = int(head["start"])
+
+            def tensor(key, path=path):
+                return torch.load(path, weights_only=True, mmap=True)["state"][key]
+
+            for lo, hi, values in head["segments"]:  # a segment: one value of each scalar
+                pieces.append(Piece(lo, hi, lambda k, t=tensor, a=a, lo=lo, hi=hi: t(k)[lo - a:hi - a],
+                                    {k: float(v) for k, v in values.items()}))
+        return StateSource(self.numel, pieces, keys, origin=f"{directory} (MeCeFO's shard files)")
 
 
 def _segments(scalars: Dict[str, torch.Tensor], start: int, n: int) -> List[Tuple[int, int]]:

@@ -308,3 +308,36 @@ def test_pipeline_engine_last_replica_hung_gives_up_in_time(mds_checkout, tmp_pa
     assert out.returncode == 3, out.stdout[-4000:]
     assert "rank 1 (pid" in out.stdout and "ended: exit code 4" in out.stdout
     assert "the job gave up: no rank of the job is left running" in out.stdout
+
+
+@pytest.mark.fault
+def test_entering_mecefo_from_upstreams_zero1_checkpoint(mds_checkout, tmp_path):
+    """A run in progress enters MeCeFO: upstream's unpatched script with ds_config ZeRO stage 1 on
+    one rank saves at iteration 6; the patched script with --mecefo on 3 replicas loads it (model,
+    scheduler, counters by DeepSpeed; the moments and step counts from DeepSpeed's ZeRO partition
+    file into MeCeFO's shards) and goes on to 12 through a kill at step 8. Its losses are those of
+    upstream's own uninterrupted run (exact mode). A ZeRO checkpoint of another model ends with
+    exit 2 and a message, before training."""
+    root, data = mds_checkout
+    no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+    ckpt = tmp_path / "ckpt"
+    upstream = mds.torchrun(root, 1, mds.args(data, tmp_path / "up.json", dp=1, micro_batches=6, iters=12, zero_stage=1,
+                                              extra=no_dropout + ["--save", str(ckpt), "--save-interval", "6"]),
+                            script="pretrain_gpt_upstream.py", timeout=300)
+    assert upstream.returncode == 0, upstream.stdout[-4000:]
+    assert (ckpt / "global_step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").exists()
+    (ckpt / "latest").write_text("global_step6")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("6")
+    entered = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds1.json", dp=3, iters=12, zero_stage=1, extra=_EXACT_FLAGS + [
+        "--load", str(ckpt), "--mecefo-inject", "kill:1:8"]), timeout=300)
+    assert entered.returncode == 0, entered.stdout[-4000:]
+    assert "generation 1: members [0, 2]" in entered.stdout
+    want, got = mds.losses(upstream.stdout), mds.losses(entered.stdout)
+    assert sorted(got) == list(range(7, 13))
+    for it in got:
+        assert got[it] == pytest.approx(want[it], rel=1e-4, abs=1e-6), it
+    other = mds.mecefo_launch(root, 3, mds.args(data, tmp_path / "ds3.json", dp=3, iters=12, zero_stage=1, extra=_EXACT_FLAGS + [
+        "--ffn-hidden-size", "96", "--load", str(ckpt)]), timeout=120)
+    assert other.returncode == 2, other.stdout[-3000:]
+    assert f"error: --load {ckpt}: the checkpoint is of another model" in other.stdout
+    assert "Traceback" not in other.stdout and "iteration        7/" not in other.stdout

@@ -127,6 +127,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         from megatron_mecefo.deepspeed_hook.ds_config import engine_clipping, overlap_bucket, replica_ds_config, zero_stage
         from megatron_mecefo.deepspeed_hook.initialize import wrap_engine
         from megatron_mecefo.deepspeed_hook.pipeline import pipeline_sends_in_groups
+        from megatron_mecefo.deepspeed_hook.zero_checkpoint import skip_zero_optimizer
         from megatron_mecefo.integrations.megatron_deepspeed.layers import wrap_model
 
         args, cfg = get_args(), STATE.cfg
@@ -153,7 +154,8 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         pipeline = not args.no_pipeline_parallel  # DeepSpeed's pipeline engine (GPTModelPipe)
         if pipeline:
             pipeline_sends_in_groups()
-        model, optimizer, scheduler = original(provider, model_type, *a, **kw)  # loads --load on every rank
+        with usage_errors(), skip_zero_optimizer():  # a ZeRO checkpoint's optimizer: read by the sharded state
+            model, optimizer, scheduler = original(provider, model_type, *a, **kw)  # loads --load on every rank
         engine = model[0]
 
         counters = arg_counters(args, ("iteration", "consumed_train_samples", "consumed_valid_samples",
@@ -169,11 +171,13 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         # legacy models load only their save format; a PipelineModule's state_dict is its save format
         module_state = ((engine.module.state_dict, engine.module.load_state_dict) if pipeline else
                         (engine.module.state_dict_for_save_checkpoint, engine.module.load_state_dict))
-        STATE.driver = wrap_engine(engine, cfg, STATE.job, tensor_parallel=args.tensor_model_parallel_size,
-                                   pipeline_parallel=args.pipeline_model_parallel_size, micro_batches=k,
-                                   micro_batch_size=mb, train_iters=args.train_iters, save=save if args.save else None,
-                                   sharded=sharded, save_dir=args.save, load_dir=args.load, clip_grad=clip,
-                                   overlap_bucket=overlap, extra_state=counters, module_state=module_state)
+        with usage_errors():  # a checkpoint's optimizer state that does not fit this job
+            STATE.driver = wrap_engine(engine, cfg, STATE.job, tensor_parallel=args.tensor_model_parallel_size,
+                                       pipeline_parallel=args.pipeline_model_parallel_size, micro_batches=k,
+                                       micro_batch_size=mb, train_iters=args.train_iters, save=save if args.save else None,
+                                       sharded=sharded, save_dir=args.save, load_dir=args.load, clip_grad=clip,
+                                       load_optimizer=not args.no_load_optim, overlap_bucket=overlap,
+                                       extra_state=counters, module_state=module_state)
         STATE.sharded = sharded
         if sharded and args.save:
             STATE.save_shards = lambda iteration: STATE.driver.save_shards(args.save)
