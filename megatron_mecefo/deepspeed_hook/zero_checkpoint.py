@@ -83,7 +83,7 @@ def zero_state(tag_dir: str, group_numels: List[int], keys: List[str], mp_rank: 
             have = names if have is None else have & names
             scalars = {k: float(v) for k, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)
                        and isinstance(v, (int, float, torch.Tensor))}
-            pieces.append(Piece(at, at + n, functools.partial(_tensor, path, g, n), scalars))
+            pieces.append(Piece(at, at + n, functools.partial(_tensor, path, g), scalars))
             at += n
         if at - group_start != numel:
             raise ValueError(f"{origin}: param group {g} holds {at - group_start} elements, this model's has {numel} "
@@ -99,11 +99,11 @@ def _group_state(sd: dict, g: int) -> dict:
     return base["state"].get(g, base["state"].get(str(g), {}))
 
 
-def _tensor(path: str, g: int, n: int, key: str) -> torch.Tensor:
+def _tensor(path: str, g: int, key: str, lo: int, hi: int) -> torch.Tensor:
     sd = _load(path)
     if key == "master":
-        return sd["single_partition_of_fp32_groups"][g]
-    return _group_state(sd, g)[key][:n]  # the rigid state keeps the alignment padding at its end
+        return sd["single_partition_of_fp32_groups"][g][lo:hi]
+    return _group_state(sd, g)[key][lo:hi]  # the rigid state keeps the alignment padding at its end
 
 
 @contextlib.contextmanager

@@ -26,8 +26,9 @@ __all__ = ["Piece", "StateSource"]
 class Piece:
     start: int
     end: int
-    tensor: Callable[[str], torch.Tensor]
-    """key -> the values of [start, end), flat (any floating dtype)."""
+    tensor: Callable[[str, int, int], torch.Tensor]
+    """(key, lo, hi) -> the values of [start + lo, start + hi), flat (any floating dtype): a reader
+    may read only that part."""
     scalars: Dict[str, float] = dataclasses.field(default_factory=dict)
     """The optimizer's scalars for the piece (missing ones: a fresh optimizer's)."""
 
@@ -62,7 +63,7 @@ class StateSource:
         out = torch.zeros(end - start)
         for p in self._overlapping(start, end):
             lo, hi = max(start, p.start), min(end, p.end)
-            out[lo - start:hi - start] = p.tensor(key).reshape(-1)[lo - p.start:hi - p.start].float()
+            out[lo - start:hi - start] = p.tensor(key, lo - p.start, hi - p.start).reshape(-1).float()
         return out
 
     def scalars(self, fresh: Dict[str, torch.Tensor], start: int, end: int) -> List[torch.Tensor]:

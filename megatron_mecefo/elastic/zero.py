@@ -568,7 +568,7 @@ class ShardedOptimizer:
                 return torch.load(path, weights_only=True, mmap=True)["state"][key]
 
             for lo, hi, values in head["segments"]:  # a segment: one value of each scalar
-                pieces.append(Piece(lo, hi, lambda k, t=tensor, a=a, lo=lo, hi=hi: t(k)[lo - a:hi - a],
+                pieces.append(Piece(lo, hi, lambda k, i, j, t=tensor, at=lo - a: t(k)[at + i:at + j],
                                     {k: float(v) for k, v in values.items()}))
         return StateSource(self.numel, pieces, keys, origin=f"{directory} (MeCeFO's shard files)")
 

@@ -358,9 +358,10 @@ def test_give_up_writes_upstream_checkpoint_and_load_resumes(mlm_checkout, tmp_p
 
 def test_refused_setups_end_before_training(mlm_checkout, tmp_path):
     """What MeCeFO cannot run ends with exit 2 and a message naming the flag, before training; so
-    does `--load` of a checkpoint upstream's DistributedOptimizer wrote (its state is laid out
-    over the data-parallel ranks of that run), and of a mixed-precision checkpoint's fp32 masters
-    into a sharded --bf16 job (they would be read as the optimizer's own state)."""
+    does `--load` of a checkpoint upstream's DistributedOptimizer wrote into a job without
+    --use-distributed-optimizer (its replicated optimizer cannot take that state), of one of another
+    model (upstream's own load error, as a message), and of a mixed-precision checkpoint's fp32
+    masters into a sharded --bf16 job (they would be read as the optimizer's own state)."""
     distributed = mlm.torchrun(mlm_checkout, 1, mlm.args(dp=1, iters=3, extra=[
         "--use-distributed-optimizer", "--save", str(tmp_path / "ckpt"), "--save-interval", "3"]),
         script="pretrain_gpt_upstream.py")
@@ -370,8 +371,10 @@ def test_refused_setups_end_before_training(mlm_checkout, tmp_path):
     assert mixed.returncode == 0, mixed.stdout[-3000:]
     base = mlm.args(dp=1, extra=["--mecefo"])
     cases = {
-        "--load": ("the checkpoint in " + str(tmp_path / "ckpt") + " was written by Megatron's DistributedOptimizer",
-                   base + ["--mecefo-rank", "16", "--use-distributed-optimizer", "--load", str(tmp_path / "ckpt")]),
+        "--load": ("the checkpoint in " + str(tmp_path / "ckpt") + " was written by Megatron's DistributedOptimizer: "
+                   "resume it with --use-distributed-optimizer", base + ["--mecefo-rank", "16", "--load", str(tmp_path / "ckpt")]),
+        "--load another model": (f"--load {tmp_path / 'ckpt'}: the checkpoint does not fit this job", base + [
+            "--mecefo-rank", "16", "--use-distributed-optimizer", "--ffn-hidden-size", "96", "--load", str(tmp_path / "ckpt")]),
         "--bf16 --load": ("the checkpoint in " + str(tmp_path / "bf16") + " keeps its fp32 master parameters in "
                           "Megatron's mixed-precision optimizer", base + [
             "--mecefo-rank", "16", "--bf16", "--use-distributed-optimizer", "--load", str(tmp_path / "bf16")]),
@@ -422,3 +425,35 @@ def test_the_record_survives_the_lead(mlm_checkout, tmp_path, phase):
     out = mlm.mecefo_launch(mlm_checkout, 2, mlm.args(dp=2, iters=8, extra=[
         "--mecefo", "--mecefo-rank", "16", "--mecefo-inject", f"kill:0:4:{phase}"]))
     mds.assert_recorded_once(out, killed="rank 0: kill at step 4", iters=8, evaluations={5: 1, 8: 2})
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("layout", ["dp_reshardable", "fully_reshardable"])
+def test_entering_mecefo_from_upstreams_distributed_optimizer_checkpoint(mlm_checkout, tmp_path, layout):
+    """A run in progress enters MeCeFO: upstream's unpatched script with --use-distributed-optimizer
+    on one rank saves at iteration 6 (torch_dist, the optimizer state in its default
+    "dp_reshardable" layout or "fully_reshardable"); the patched script with --mecefo on 3 replicas
+    loads it (model, scheduler, RNG and counters by upstream; moments, step counts and fp32
+    parameters from upstream's layout into MeCeFO's shards) and goes on to 12 through a kill at
+    step 8. Its losses are those of upstream's own uninterrupted run (exact mode)."""
+    no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+    ckpt = tmp_path / "ckpt"
+    fully = ["--dist-ckpt-optim-fully-reshardable"] if layout == "fully_reshardable" else []
+    upstream = mlm.torchrun(mlm_checkout, 1, mlm.args(dp=1, micro_batches=6, iters=12, extra=no_dropout + fully + [
+        "--use-distributed-optimizer", "--save", str(ckpt), "--save-interval", "6"]), script="pretrain_gpt_upstream.py",
+        timeout=300)
+    assert upstream.returncode == 0, upstream.stdout[-4000:]
+    assert f"distributed optimizer sharded state of type {layout}" in upstream.stdout
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("6")
+    entered = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + [
+        "--use-distributed-optimizer", "--load", str(ckpt), "--mecefo-inject", "kill:1:8"]), timeout=300)
+    assert entered.returncode == 0, entered.stdout[-4000:]
+    assert "generation 1: members [0, 2]" in entered.stdout
+    want, got = mds.losses(upstream.stdout), mds.losses(entered.stdout)
+    assert sorted(got) == list(range(7, 13))
+    # upstream's first log line after a resume does not reset its sums (training_log's
+    # is_first_iteration): iteration 8 prints the mean of 7 and 8
+    assert got[7] == pytest.approx(want[7], rel=1e-4, abs=1e-6)
+    assert got[8] == pytest.approx((want[7] + want[8]) / 2, rel=1e-4, abs=1e-6)
+    for it in range(9, 13):
+        assert got[it] == pytest.approx(want[it], rel=1e-4, abs=1e-6), it

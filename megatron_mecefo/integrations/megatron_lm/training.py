@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import glob
 import os
 from typing import Callable, Optional
 
@@ -45,6 +44,7 @@ from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.integrations.common import (State, UsageError, arg_counters, data_prefixes, keep_training_set,
                                                   init_replica_then_upstream, micro_batch, refuse, shared_refusals,
                                                   usage_errors)
+from megatron_mecefo.integrations.megatron_lm import checkpoint
 
 __all__ = ["UsageError", "State", "STATE", "SPEC", "check_args", "wrap_initialize_distributed",
            "wrap_setup_model_and_optimizer", "wrap_load_checkpoint", "wrap_train_step", "wrap_datasets",
@@ -144,7 +144,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         args, cfg = get_args(), STATE.cfg
         # the runtime shards over the replicas; upstream's optimizer stays plain (its data-parallel group is 1)
         STATE.sharded, args.use_distributed_optimizer = bool(args.use_distributed_optimizer), False
-        check_loaded_optimizer(args, STATE.sharded)
+        checkpoint.check_loaded_optimizer(args, STATE.sharded)
         with _no_fp32_copies(STATE.sharded and args.bf16):
             model, optimizer, scheduler = original(model_provider_func, model_type, *a, **kw)  # loads --load
         if not any(isinstance(m, Coverable) for chunk in model for m in chunk.modules()):
@@ -175,7 +175,8 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
                             current_step=lambda: counters[0]()["iteration"],
                             tensor_parallel=args.tensor_model_parallel_size,
                             pipeline_parallel=args.pipeline_model_parallel_size, sharding=shards,
-                            load_shards=sharded_checkpoint(args) if shards is not None and args.iteration > 0 else None,
+                            load_shards=(checkpoint.loaded_optimizer_state(args, model, shards)
+                                         if shards is not None and args.iteration > 0 else None),
                             train_iters=args.train_iters, backend=args.distributed_backend)
         STATE.driver = Step(driver, model, overlap=args.overlap_grad_reduce)
         if shards is not None and args.save:
@@ -212,83 +213,9 @@ def _no_fp32_copies(active: bool):
         training.get_megatron_optimizer = build
 
 
-def _loaded_checkpoint(args) -> Optional[str]:
-    """The directory of the checkpoint `--load` reads with its optimizer state (`--ckpt-step`, else
-    the tracker's iteration); None when no optimizer state is loaded or there is no checkpoint."""
-    from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata
-
-    if not args.load or args.no_load_optim or args.finetune:
-        return None
-    iteration = getattr(args, "ckpt_step", None)
-    if iteration is None:
-        tracker = get_checkpoint_tracker_filename(args.load)
-        if not os.path.isfile(tracker):
-            return None
-        iteration, release = read_metadata(tracker)
-        if release:
-            return None
-    return get_checkpoint_name(args.load, iteration, return_base_dir=True)
-
-
-def sharded_checkpoint(args) -> Optional[str]:
-    """The directory of the checkpoint `--load` reads when it holds MeCeFO's optimizer shard files, else None."""
-    directory = _loaded_checkpoint(args)
-    return directory if directory and glob.glob(os.path.join(directory, "mecefo_optim_*.pt")) else None
-
-
-def check_loaded_optimizer(args, sharded: bool) -> None:
-    """Refuse, before the model is built, a `--load` whose optimizer state this job cannot read."""
-    directory = _loaded_checkpoint(args)
-    if directory is None:
-        return
-    if glob.glob(os.path.join(directory, "mecefo_optim_*.pt")):
-        if not sharded:
-            raise UsageError(f"{directory} holds a sharded optimizer state (MeCeFO's shard files, written with "
-                             "--use-distributed-optimizer): resume with --use-distributed-optimizer, or pass "
-                             "--no-load-optim to restart the optimizer state")
-    elif _distributed_optimizer_checkpoint(directory):
-        raise UsageError(f"the checkpoint in {args.load} was written by Megatron's DistributedOptimizer, whose "
-                         "state MeCeFO cannot read (it keeps the optimizer state in its own shards): pass "
-                         "--no-load-optim to load the model and restart the optimizer state")
-    elif sharded and args.bf16:
-        raise UsageError(f"the checkpoint in {args.load} keeps its fp32 master parameters in Megatron's mixed-precision "
-                         "optimizer (a --bf16 run without --use-distributed-optimizer); with --bf16 "
-                         "--use-distributed-optimizer they live in MeCeFO's shard files, and this checkpoint has none: "
-                         "resume it without --use-distributed-optimizer, or pass --no-load-optim to load the model "
-                         "and restart the optimizer state")
-
-
-def _distributed_optimizer_checkpoint(directory: str) -> bool:
-    if glob.glob(os.path.join(directory, "**", "distrib_optim.pt"), recursive=True):  # the legacy format
-        return True
-    try:
-        from megatron.core import dist_checkpointing
-
-        metadata = dist_checkpointing.load_content_metadata(directory) or {}
-    except Exception:  # not a torch_dist checkpoint: upstream's load says what it is
-        return False
-    return "distrib_optim_sharding_type" in metadata
-
-
 def wrap_load_checkpoint(original: Callable) -> Callable:
-    """`megatron.training.training.load_checkpoint`: a checkpoint with MeCeFO's optimizer shards
-    has no moments in upstream's files, so upstream's optimizer must not ask for them (its
-    `init_state_fn` would create the whole state for the load to fill); the shard files are read
-    when the rank joins (elastic.attach)."""
-
-    def load_checkpoint(model, optimizer, *a, **kw):
-        from megatron.training import get_args
-
-        if not STATE.active or optimizer is None or sharded_checkpoint(get_args()) is None:
-            return original(model, optimizer, *a, **kw)
-        with contextlib.ExitStack() as undo:
-            for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-                fn = inner.init_state_fn
-                inner.init_state_fn = lambda *_a, **_k: None
-                undo.callback(setattr, inner, "init_state_fn", fn)
-            return original(model, optimizer, *a, **kw)
-
-    return load_checkpoint
+    """`megatron.training.training.load_checkpoint` (checkpoint.py)."""
+    return checkpoint.wrap_load_checkpoint(original, STATE)
 
 
 def wrap_datasets(original: Callable) -> Callable:
