@@ -245,3 +245,17 @@ def test_bf16_keeps_the_fp32_masters_only_in_the_shards(tmp_path, replicated):
         for rec in steps_of(logs, rank):
             by_step.setdefault(rec["step"], set()).add(rec["param_sha256"])
     assert sorted(by_step) == list(range(8)) and all(len(h) == 1 for h in by_step.values())
+
+
+def test_entering_mecefo_from_a_plain_deepspeed_zero1_checkpoint(tmp_path, replicated):
+    """A run in progress enters MeCeFO: the example without --mecefo (plain DeepSpeed, ZeRO stage 1,
+    one rank) saves at iteration 4; with --mecefo on 3 replicas it loads DeepSpeed's checkpoint (the
+    moments and step counts from the ZeRO partition file into MeCeFO's shards) and goes on through a
+    kill at step 6 with the fault-free losses."""
+    ckpt = tmp_path / "ckpt"
+    plain = run(tmp_path, 1, 1, "--save", str(ckpt), "--save-interval", "4", iters=4).stdout
+    assert "MeCeFO" not in plain and (ckpt / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").exists()
+    assert_fault_free_losses(plain, replicated, range(1, 5))
+    out = run(tmp_path, 3, 1, *EXACT, "--load", str(ckpt), "--mecefo-inject", "kill:1:6").stdout
+    assert "starting at iteration 4" in out and "sharded over 3 replicas" in out and "cover 1->2" in out
+    assert_fault_free_losses(out, replicated, range(5, 9))
