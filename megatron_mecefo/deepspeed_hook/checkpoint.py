@@ -30,10 +30,22 @@ class UnsafeCheckpoint(ValueError):
     """A checkpoint file holds more than tensors and plain containers: not loaded."""
 
 
-def plain_load(path: str, map_location=None):
-    """torch.load restricted to tensors and plain containers (UnsafeCheckpoint otherwise)."""
+def deepspeed_data_classes() -> list:
+    """The plain-data classes DeepSpeed's own ZeRO optimizer files hold (its loss scaler's settings,
+    the stage enum, parameter fragment addresses): allowed in a restricted load."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def plain_load(path: str, map_location=None, mmap=None):
+    """torch.load restricted to tensors, plain containers and DeepSpeed's data classes
+    (UnsafeCheckpoint otherwise)."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with torch.serialization.safe_globals(deepspeed_data_classes()):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpoint(
             f"{path} holds more than tensors and plain containers, so it is not loaded (loading it could run "

@@ -220,10 +220,20 @@ class MeCeFOEngine(DrivenHost):
         return getattr(self.engine, name)
 
     def save_shards(self, save_dir: str) -> None:
-        """Every rank's part of a checkpoint with a sharded optimizer state: its held ranges, under
-        save_dir/global_step{N} beside DeepSpeed's files (which one replica writes)."""
-        if self.sharded is not None:
-            self.sharded.save(os.path.join(save_dir, f"global_step{self.engine.global_steps}"))
+        """Every rank's part of a checkpoint with a sharded optimizer state, beside DeepSpeed's files
+        in save_dir/global_step{N} (which one replica writes): its shard, which the lead replica's
+        rank of its position gathers into DeepSpeed's ZeRO file (zero_checkpoint.py)."""
+        if self.sharded is None:
+            return
+        from megatron_mecefo.deepspeed_hook.zero_checkpoint import write_zero_checkpoint
+
+        rt = self.driver.runtime
+        tag_dir = os.path.join(save_dir, f"global_step{self.engine.global_steps}")
+        stamp = f"{rt.job_id}:{rt.generation}:{self.engine.global_steps}"
+        self.sharded.save(tag_dir, copies=False, stamp=stamp)
+        if rt.leads():
+            write_zero_checkpoint(self.sharded, tag_dir, mp_rank=self.engine.checkpoint_mp_rank, stamp=stamp,
+                                  timeout_s=rt.cfg.collective_timeout_s, clip_grad=self.clip_grad, log=rt.log)
 
     def close(self) -> None:
         self.driver.close()

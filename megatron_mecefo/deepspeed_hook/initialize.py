@@ -166,8 +166,9 @@ def wrap_engine(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: i
 
 
 def _loaded_optimizer_state(engine, shards: Optional[ShardedOptimizer], load_dir: Optional[str]):
-    """What the optimizer state starts from after DeepSpeed loaded `load_dir`: MeCeFO's shard files,
-    or a ZeRO checkpoint's partitions (zero_checkpoint.py), for the sharded state; None: the state
+    """What the optimizer state starts from after DeepSpeed loaded `load_dir`: a ZeRO checkpoint's
+    partitions (zero_checkpoint.py; MeCeFO writes them too), else MeCeFO's shard files (a job that
+    gave up writes those), for the sharded state; None: the state
     DeepSpeed loaded (replicated), or none. Raises ValueError for a ZeRO checkpoint without the
     sharded state (its optimizer files would be left unread) or one of another model."""
     latest = os.path.join(load_dir, "latest") if load_dir else None
@@ -180,6 +181,5 @@ def _loaded_optimizer_state(engine, shards: Optional[ShardedOptimizer], load_dir
             raise ValueError(f"{tag} holds a ZeRO optimizer state (DeepSpeed's zero_pp_rank_* files): resume it with "
                              'ds_config "zero_optimization": {"stage": 1} (MeCeFO shards it over the replicas)')
         return None
-    if shards.has_files(tag):
-        return tag
-    return zero_state(tag, [b - a for a, b in shards.group_bounds], shards.keys, engine.checkpoint_mp_rank)
+    found = zero_state(tag, [b - a for a, b in shards.group_bounds], shards.keys, engine.checkpoint_mp_rank)
+    return found if found is not None or not shards.has_files(tag) else tag  # shard files: a give-up's

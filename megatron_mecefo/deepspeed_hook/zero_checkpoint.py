@@ -11,6 +11,14 @@ every rank, concatenated per group, are MeCeFO's state at any replica count.
 
 The engine under MeCeFO runs stage 0 (the runtime shards), which would read a ZeRO checkpoint's
 `optimizer` (None) and fail: `skip_zero_optimizer` makes it load model, scheduler and counters only.
+
+Saving (`write_zero_checkpoint`): the engine's model-state file says 1 data-parallel rank (its
+world is the replica), so the state is written as one ZeRO stage-1 rank's file holding every
+element, in DeepSpeed's unpadded ("elastic") per-group form, which its stage 1/2 optimizer pads
+to its own partition on load: plain DeepSpeed resumes it at one data-parallel rank (at another
+count through its universal checkpoint), MeCeFO at any replica count. The owners of the shards
+write them as files first; the lead replica's rank gathers them (zero.py `collect`) and replaces
+them with the ZeRO file.
 """
 
 from __future__ import annotations
@@ -26,9 +34,17 @@ import torch
 
 from megatron_mecefo.elastic.state_source import Piece, StateSource
 
-__all__ = ["zero_files", "zero_state", "skip_zero_optimizer"]
+__all__ = ["zero_files", "zero_state", "skip_zero_optimizer", "write_zero_checkpoint"]
+
+ALIGNMENT = 2
+"""DeepSpeed's stage 1/2 flat groups are padded to a multiple of this x the data-parallel size
+(`nccl_start_alignment_factor`); the padding is recorded, the values are saved without it."""
 
 _NAME = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+def _name(mp_rank: int, dp_rank: int = 0) -> str:
+    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
 def zero_files(tag_dir: str, mp_rank: int = 0) -> List[str]:
@@ -46,17 +62,13 @@ def zero_files(tag_dir: str, mp_rank: int = 0) -> List[str]:
 
 @functools.lru_cache(maxsize=64)
 def _load(path: str) -> dict:
-    """A ZeRO file's optimizer state, memory-mapped; plain data plus DeepSpeed's own three classes."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+    """A ZeRO file's optimizer state, memory-mapped; plain data and DeepSpeed's data classes only."""
+    from megatron_mecefo.deepspeed_hook.checkpoint import plain_load
 
-    with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
-        try:
-            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:
-            raise ValueError(f"{path} is not a ZeRO optimizer file MeCeFO can read: {str(e).splitlines()[0]}") from None
-    return sd["optimizer_state_dict"]
+    try:
+        return plain_load(path, map_location="cpu", mmap=True)["optimizer_state_dict"]
+    except Exception as e:
+        raise ValueError(f"{path} is not a ZeRO optimizer file MeCeFO can read: {str(e).splitlines()[0]}") from None
 
 
 def zero_state(tag_dir: str, group_numels: List[int], keys: List[str], mp_rank: int = 0) -> Optional[StateSource]:
@@ -104,6 +116,44 @@ def _tensor(path: str, g: int, key: str, lo: int, hi: int) -> torch.Tensor:
     if key == "master":
         return sd["single_partition_of_fp32_groups"][g][lo:hi]
     return _group_state(sd, g)[key][lo:hi]  # the rigid state keeps the alignment padding at its end
+
+
+def write_zero_checkpoint(sharded, tag_dir: str, *, mp_rank: int, stamp: str, timeout_s: float, clip_grad: float,
+                          log) -> Optional[str]:
+    """On the lead replica's rank of a position, after every rank wrote its shard (`sharded.save(tag_dir,
+    copies=False, stamp=stamp)`): replace the shard files with DeepSpeed's ZeRO file of the whole
+    state. Returns its path; None (the shard files stay, MeCeFO still resumes them) when the
+    shards do not all arrive within timeout_s."""
+    import deepspeed
+    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE_STEP
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    got = sharded.collect(tag_dir, stamp, timeout_s)
+    if got is None:
+        log.warning("%s: not every optimizer shard was written within %.0f s: the state stays in MeCeFO's shard "
+                    "files (MeCeFO resumes them; DeepSpeed without MeCeFO does not)", tag_dir, timeout_s)
+        return None
+    state, scalars, parts = got
+    params = state["master"] if "master" in state else sharded.whole_parameters()
+    groups, masters, steps = [], [], []
+    for a, b in sharded.group_bounds:
+        step = float(scalars["step"][a:b].max()) if "step" in scalars and b > a else 0.0
+        groups.append({**{k: v[a:b].clone() for k, v in state.items() if k != "master"}, "step": torch.tensor(step)})
+        masters.append(params[a:b].clone())
+        steps.append(step)
+    sd = {"dynamic_loss_scale": False, "overflow": False, "clip_grad": clip_grad,
+          "base_optimizer_state": groups, BASE_OPTIMIZER_STATE_STEP: max(steps, default=0.0),
+          "single_partition_of_fp32_groups": masters, "zero_stage": ZeroStageEnum.optimizer_states,
+          "group_paddings": [(-(b - a)) % ALIGNMENT for a, b in sharded.group_bounds],
+          "partition_count": [1] * len(masters), "ds_version": deepspeed.__version__}
+    path = os.path.join(tag_dir, _name(mp_rank))
+    torch.save({"optimizer_state_dict": sd, "ds_version": deepspeed.__version__}, f"{path}.tmp{os.getpid()}")
+    os.replace(f"{path}.tmp{os.getpid()}", path)
+    for part in parts:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(part)
+    _load.cache_clear()
+    return path
 
 
 @contextlib.contextmanager

@@ -274,6 +274,10 @@ class ElasticRuntime:
         """This step's micro-batches as plan() handed them out (the fold's, if it was not asked)."""
         return self._issued or self._plan.fold.micro_batches(self.grid.replica_of(self.rank))
 
+    def leads(self) -> bool:
+        """This rank's replica is the lowest live one: it saves (upstream's files) and logs."""
+        return self.grid.replica_of(self.rank) == min(self.cover_map().live)
+
     def cover_map(self) -> CoverMap:
         """The current generation's cover map."""
         return self._cover

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -297,6 +298,10 @@ class ShardedOptimizer:
             if a < b:
                 yield p, slice(a - off, b - off), a - start
 
+    def whole_parameters(self) -> torch.Tensor:
+        """The optimizer's parameters, flat in fp32 (whole on every rank after a step's gather)."""
+        return self._read(0, self.numel)
+
     def _read(self, start: int, end: int, grad: bool = False) -> torch.Tensor:
         out = torch.zeros(end - start, dtype=torch.float32)
         for p, sl, at in self._spans(start, end):
@@ -527,24 +532,47 @@ class ShardedOptimizer:
 
     # -- checkpoints: one file per held range, written by its holder -----------------------------
 
-    def save(self, directory: str) -> List[str]:
+    def save(self, directory: str, *, copies: bool = True, stamp: str = "") -> List[str]:
         """Write this rank's held ranges under `directory` (every rank writes its own; a range two
-        ranks hold is written twice with the same content, atomically). Returns the paths."""
+        ranks hold is written twice with the same content, atomically); `copies` False: the shard
+        only (the owners' shards cover the state once). `stamp` marks this save (`collect`).
+        Returns the paths."""
         os.makedirs(directory, exist_ok=True)
         paths = []
-        for held in self.held.values():
+        for name, held in self.held.items():
+            if name == "copy" and not copies:
+                continue
             path = os.path.join(directory, SHARD_FILE.format(tag=self.tag, start=held.start, end=held.end))
             tmp = f"{path}.tmp{os.getpid()}"
             segments = [(lo, hi, {k: float(held.inner.state[m][k]) for k in self.fresh_scalars})
                         for m, g, lo, hi in held.parts]
             torch.save({"numel": self.numel, "start": held.start, "end": held.end, "keys": self.keys,
-                        "state": dict(held.state), "segments": segments}, tmp)
+                        "state": dict(held.state), "segments": segments, "stamp": stamp}, tmp)
             os.replace(tmp, path)
             paths.append(path)
         return paths
 
+    def collect(self, directory: str, stamp: str, timeout_s: float):
+        """The whole state, once the shard files of the save `stamp` under `directory` cover it (the
+        owners write theirs at the same step): ({key: flat values}, {scalar: per element}, their
+        paths); None when they do not within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                source, paths = self._shard_files(directory, stamp=stamp), self._files(directory)
+                break
+            except ValueError:
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.05)
+        state = {k: source.read(k, 0, self.numel) for k in self.keys}
+        return state, dict(zip(self.fresh_scalars, source.scalars(self.fresh_scalars, 0, self.numel))), paths
+
+    def _files(self, directory: str) -> List[str]:
+        return glob.glob(os.path.join(directory, SHARD_FILE.format(tag=self.tag, start="*", end="*")))
+
     def has_files(self, directory: str) -> bool:
-        return bool(glob.glob(os.path.join(directory, SHARD_FILE.format(tag=self.tag, start="*", end="*"))))
+        return bool(self._files(directory))
 
     def load(self, source) -> None:
         """Start the first generation from a checkpoint's state: a StateSource (state_source.py), or
@@ -555,10 +583,12 @@ class ShardedOptimizer:
         source.check(self.numel, self.keys)
         self._source = source
 
-    def _shard_files(self, directory: str) -> StateSource:
+    def _shard_files(self, directory: str, stamp: Optional[str] = None) -> StateSource:
         pieces, keys = [], self.keys
-        for path in glob.glob(os.path.join(directory, SHARD_FILE.format(tag=self.tag, start="*", end="*"))):
+        for path in self._files(directory):
             head = torch.load(path, weights_only=True, mmap=True)
+            if stamp is not None and head.get("stamp") != stamp:
+                continue  # another save's
             if head["numel"] != self.numel or list(head["keys"]) != self.keys:
                 raise ValueError(f"{path}: optimizer state of {head['numel']} elements {head['keys']}, this model's "
                                  f"optimizer has {self.numel} {self.keys}")

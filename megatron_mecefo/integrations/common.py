@@ -63,8 +63,7 @@ class State:
 
     def lead(self) -> bool:
         """This rank's replica is the lowest live one: it saves and logs."""
-        rt = self.driver.runtime
-        return rt.grid.replica_of(rt.rank) == min(rt.cover_map().live)
+        return self.driver.runtime.leads()
 
     def close(self, finished: bool) -> None:
         if self.driver is not None:

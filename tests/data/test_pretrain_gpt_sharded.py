@@ -89,14 +89,20 @@ def test_sharded_run_equals_replicated_through_a_kill_after_the_commit_and_a_rej
     assert [e["step"] for e in events_of(logs, "gather_failed")] == [3]
 
 
-def test_a_sharded_checkpoint_resumes_at_another_replica_count(tmp_path, replicated):
+def test_a_sharded_checkpoint_resumes_at_another_replica_count_and_without_mecefo(tmp_path, replicated):
+    """The sharded state is saved in DeepSpeed's own ZeRO format (one rank's file: the engine's world
+    is the replica): MeCeFO resumes it on 2 replicas, and plain DeepSpeed (no --mecefo, ZeRO stage 1,
+    one rank) leaves MeCeFO with it; both with the fault-free losses."""
     ckpt = tmp_path / "ckpt"
     run(tmp_path, 3, 1, *EXACT, "--save", str(ckpt), "--save-interval", "4", iters=4)
-    files = sorted(p.name for p in (ckpt / "global_step4").glob("mecefo_optim_*.pt"))
-    assert len(files) == 3, files  # three shards, each written by its owner and its copy's holder
+    files = sorted(p.name for p in (ckpt / "global_step4").glob("*optim*.pt"))
+    assert files == ["zero_pp_rank_0_mp_rank_00_optim_states.pt"], files  # the shard files were gathered into it
     out = run(tmp_path, 2, 1, *EXACT, "--load", str(ckpt)).stdout
     assert "starting at iteration 4" in out and "sharded over 2 replicas" in out
     assert_fault_free_losses(out, replicated, range(5, 9))
+    left = run(tmp_path, 1, 1, "--load", str(ckpt)).stdout
+    assert "MeCeFO" not in left
+    assert_fault_free_losses(left, replicated, range(5, 9))
 
 
 def test_a_shard_without_copy_ends_the_job_with_a_checkpoint_that_says_what_it_lacks(tmp_path):
@@ -133,7 +139,7 @@ def test_pipeline_stages_shard_their_own_state_through_a_kill_and_a_rejoin(tmp_p
     """D = 2 x P = 2: each stage's data-parallel group shards that stage's optimizer state. Rank 0
     (stage 0 of replica 0, the lead replica) is SIGKILLed in step 3's backward and restarted; its
     replica retires, replica 1 covers on both stages, and the replica rejoins at step 5. The losses
-    are the replicated fault-free run's, and the checkpoint holds each stage's shards."""
+    are the replicated fault-free run's, and the checkpoint holds each stage's state as a ZeRO file."""
     layout = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--mecefo-collective-timeout-s", "5",
               "--mecefo-agree-timeout-s", "20"]
     ref = losses(run(tmp_path, 4, 0, *EXACT, *layout).stdout)
@@ -144,8 +150,8 @@ def test_pipeline_stages_shard_their_own_state_through_a_kill_and_a_rejoin(tmp_p
     assert "cover 0->1" in out and "live 2/2" in out.split("cover 0->1")[-1]
     got = losses(out)
     assert [got[i] for i in range(1, 9)] == pytest.approx([ref[i] for i in range(1, 9)], rel=1e-5)
-    names = sorted(p.name.rsplit("_", 1)[0] for p in (ckpt / "global_step8").glob("mecefo_optim_*.pt"))
-    assert names == ["mecefo_optim_t0p0"] * 2 + ["mecefo_optim_t0p1"] * 2
+    names = sorted(p.name for p in (ckpt / "global_step8").glob("*optim*.pt"))
+    assert names == [f"zero_pp_rank_0_mp_rank_0{stage}_optim_states.pt" for stage in (0, 1)]
 
 
 def test_reinit_rebuilds_a_lost_shard_and_training_goes_on(tmp_path, replicated):

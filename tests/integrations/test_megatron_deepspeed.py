@@ -88,8 +88,9 @@ def test_sharded_optimizer_state_through_a_kill_after_the_commit(mds_checkout, t
     (the others' parameter gather fails; its shard's update lives on in rank 2's copy), restarted,
     and rejoins after step 8 (it receives its shard and copy in the re-shard). With the
     approximations off the losses are the replicated fault-free run's and the replicas stay
-    bit-identical; the checkpoint of iteration 10 holds the shards beside upstream's files, and
-    `--load` resumes it on 2 replicas with the fault-free run's losses. With cover "spread" rank 1's
+    bit-identical; the checkpoint of iteration 10 holds the state in DeepSpeed's ZeRO file beside
+    upstream's files: `--load` resumes it on 2 replicas, and upstream's unpatched script (plain ZeRO-1,
+    one rank) leaves MeCeFO with it, both with the fault-free run's losses. With cover "spread" rank 1's
     two micro-batches go one to each survivor (its shard's copy stays on the ring neighbour)."""
     root, data = mds_checkout
     exact = _EXACT_FLAGS
@@ -110,13 +111,21 @@ def test_sharded_optimizer_state_through_a_kill_after_the_commit(mds_checkout, t
     for it in want:
         assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
     mds.check_whole_and_identical(tmp_path / "logs", dp=3, k=2, iters=12)
-    files = sorted(p.name for p in (ckpt / "global_step10").glob("mecefo_optim_*.pt"))
-    assert len(files) == 3, files  # three shards again after the rejoin, each written by its owner and copy holder
+    files = sorted(p.name for p in (ckpt / "global_step10").glob("*optim*.pt"))
+    assert files == ["zero_pp_rank_0_mp_rank_00_optim_states.pt"], files  # the shards gathered into DeepSpeed's file
     (ckpt / "latest").write_text("global_step10")  # resume from iteration 10 (the run also saved its end)
     resumed = mds.mecefo_launch(root, 2, mds.args(data, tmp_path / "ds2.json", dp=2, micro_batches=3, iters=12,
                                                   zero_stage=1, extra=exact + ["--load", str(ckpt)]))
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     after = mds.losses(resumed.stdout)
+    assert sorted(after) == [11, 12]
+    for it in after:
+        assert after[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    # leaving MeCeFO: upstream's unpatched script, plain DeepSpeed ZeRO-1 on one rank, resumes it
+    left = mds.torchrun(root, 1, mds.args(data, tmp_path / "up.json", dp=1, micro_batches=6, iters=12, zero_stage=1,
+                                          extra=exact[:4] + ["--load", str(ckpt)]), script="pretrain_gpt_upstream.py")
+    assert left.returncode == 0, left.stdout[-4000:]
+    after = mds.losses(left.stdout)
     assert sorted(after) == [11, 12]
     for it in after:
         assert after[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
