@@ -205,14 +205,17 @@ def one_replica_at_a_time(original: Callable, active: Callable[[], bool], lock_d
 def lead_only_save(original: Callable, state: State) -> Callable:
     """Upstream's `save_checkpoint`: one replica (the lowest live) writes; every replica believes it
     is data-parallel rank 0, so more writers would write the same files. A sharded optimizer state
-    is written by every rank, its own ranges (`state.save_shards`)."""
+    is written by every rank, its own ranges (`state.save_shards`), which may return a context the
+    lead's save runs in (Megatron-LM: the state gathered into upstream's format)."""
 
     def save_checkpoint(*a, **kw):
+        around = None
         if state.active and state.save_shards is not None:  # every rank writes its optimizer shards
-            state.save_shards(a[0] if a else kw["iteration"])
+            around = state.save_shards(a[0] if a else kw["iteration"])  # the lead's: how it writes them
         if state.active and not state.lead():
             return None
-        return original(*a, **kw)
+        with around or contextlib.nullcontext():
+            return original(*a, **kw)
 
     return save_checkpoint
 

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_mecefo.testing import mds, mlm
 
@@ -64,7 +65,7 @@ def test_distributed_optimizer_is_sharded_through_a_kill_a_rejoin_and_a_hang(mlm
     parameter gather fails; its shard's update lives on in rank 2's copy) and restarted: it rejoins
     after step 8 and receives its shard and copy in the re-shard. With the approximations off the
     losses are the replicated fault-free run's and the replicas stay bit-identical. The checkpoint
-    of iteration 10 holds the shards beside upstream's files; `--load` resumes it on 2 replicas
+    of iteration 10 holds the state in upstream's DistributedOptimizer layout; `--load` resumes it on 2 replicas
     with the fault-free run's losses, and refuses it (exit 2) without the flag. The kill runs with
     cover "spread": rank 1's two micro-batches go one to each survivor. A rank hung in the
     gradient reduction (the reduce-scatter) of step 4 is covered with the same losses."""
@@ -80,8 +81,9 @@ def test_distributed_optimizer_is_sharded_through_a_kill_a_rejoin_and_a_hang(mlm
     for it in want:
         assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
     mds.check_whole_and_identical(log_dir, dp=3, k=2, iters=12)
-    files = sorted(p.name for p in (ckpt / "iter_0000010").glob("mecefo_optim_*.pt"))
-    assert len(files) == 3, files  # three shards, each written by its owner and its copy's holder
+    assert not list((ckpt / "iter_0000010").glob("mecefo_optim_*"))  # gathered into upstream's layout
+    common = torch.load(ckpt / "iter_0000010" / "common.pt", weights_only=False)
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     (ckpt / "latest_checkpointed_iteration.txt").write_text("10")  # the run also saved its end
     resumed = mlm.mecefo_launch(mlm_checkout, 2, mlm.args(dp=2, micro_batches=3, iters=12, extra=EXACT + [
         "--use-distributed-optimizer", "--load", str(ckpt)]))
@@ -95,7 +97,8 @@ def test_distributed_optimizer_is_sharded_through_a_kill_a_rejoin_and_a_hang(mlm
     refused = mlm.mecefo_launch(mlm_checkout, 1, mlm.args(dp=1, iters=12, extra=["--mecefo", "--load", str(ckpt)]),
                                 timeout=120)
     assert refused.returncode == 2, refused.stdout[-3000:]
-    assert "holds a sharded optimizer state" in refused.stdout and "iteration       11/" not in refused.stdout
+    assert "was written by Megatron's DistributedOptimizer: resume it with --use-distributed-optimizer" in refused.stdout
+    assert "iteration       11/" not in refused.stdout
     hung = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + [
         "--use-distributed-optimizer", "--mecefo-inject", "hang:1:4:allreduce", "--mecefo-collective-timeout-s", "5",
         "--mecefo-agree-timeout-s", "20"]))
@@ -127,7 +130,7 @@ def test_bf16_distributed_optimizer_keeps_the_fp32_masters_only_in_the_shards(ml
     rank). Its losses are the replicated mixed-precision run's: bit for bit while the clip
     coefficient is the same, then within the bf16 rounding of a last-bit difference in the
     gradient norm (summed per shard). A kill after step 4's commit and a rejoin after step 8 give
-    the sharded fault-free losses; the checkpoint's shard files carry the masters, and `--load`
+    the sharded fault-free losses; the checkpoint carries the masters as upstream's fp32 "param", and `--load`
     on 2 replicas continues with them."""
     bf16 = EXACT + ["--bf16"]
     replicated = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=bf16))
@@ -152,13 +155,13 @@ def test_bf16_distributed_optimizer_keeps_the_fp32_masters_only_in_the_shards(ml
     for it in sharded_free:
         assert after_kill[it] == pytest.approx(sharded_free[it], rel=1e-5, abs=1e-6), it
     mds.check_whole_and_identical(log_dir, dp=3, k=2, iters=12)
-    import torch
+    from torch.distributed.checkpoint import FileSystemReader
 
-    files = sorted((ckpt / "iter_0000010").glob("mecefo_optim_*.pt"))
-    assert len(files) == 3, files
-    for f in files:
-        held = torch.load(f, weights_only=True)
-        assert held["keys"] == ["exp_avg", "exp_avg_sq", "master"] and held["state"]["master"].dtype == torch.float32
+    assert not list((ckpt / "iter_0000010").glob("mecefo_optim_*"))
+    stored = FileSystemReader(str(ckpt / "iter_0000010")).read_metadata().state_dict_metadata
+    masters = [k for k in stored if k.startswith("optimizer.state.param.")]  # upstream's fp32 main parameters
+    assert masters and all(stored[k].properties.dtype == torch.float32 for k in masters)
+    assert stored["decoder.final_layernorm.weight"].properties.dtype == torch.bfloat16
     (ckpt / "latest_checkpointed_iteration.txt").write_text("10")
     resumed = mlm.mecefo_launch(mlm_checkout, 2, mlm.args(dp=2, micro_batches=3, iters=12, extra=bf16 + [
         "--use-distributed-optimizer", "--load", str(ckpt)]))
@@ -457,3 +460,56 @@ def test_entering_mecefo_from_upstreams_distributed_optimizer_checkpoint(mlm_che
     assert got[8] == pytest.approx((want[7] + want[8]) / 2, rel=1e-4, abs=1e-6)
     for it in range(9, 13):
         assert got[it] == pytest.approx(want[it], rel=1e-4, abs=1e-6), it
+
+
+@pytest.mark.fault
+def test_leaving_mecefo_writes_upstreams_distributed_optimizer_checkpoint(mlm_checkout, tmp_path):
+    """A MeCeFO run with --use-distributed-optimizer on 3 replicas, rank 1 SIGKILLed at step 4,
+    saves at iteration 6: the lead replica gathers the shards into upstream's DistributedOptimizer
+    layout ("fully_reshardable", in the same torch_dist checkpoint as the model). It holds the keys,
+    shapes, step counts and content metadata of upstream's own checkpoint of the same iteration
+    (unpatched script, one rank, --dist-ckpt-optim-fully-reshardable), with the same values (exact
+    mode), and no MeCeFO file; MeCeFO resumes it on 2 replicas with upstream's losses. (Upstream's
+    own resume of a distributed-optimizer checkpoint needs Apex or Transformer Engine: a GPU run
+    must confirm it.)"""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+    up, ours = tmp_path / "upstream", tmp_path / "mecefo"
+    upstream = mlm.torchrun(mlm_checkout, 1, mlm.args(dp=1, micro_batches=6, iters=12, extra=no_dropout + [
+        "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable", "--save", str(up), "--save-interval", "6"]),
+        script="pretrain_gpt_upstream.py", timeout=300)
+    assert upstream.returncode == 0, upstream.stdout[-4000:]
+    mecefo = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + [
+        "--use-distributed-optimizer", "--mecefo-inject", "kill:1:4", "--save", str(ours), "--save-interval", "6"]),
+        timeout=300)
+    assert mecefo.returncode == 0, mecefo.stdout[-4000:]
+    assert "generation 1: members [0, 2]" in mecefo.stdout
+    assert not list((ours / "iter_0000006").glob("mecefo_optim_*"))
+    state = {}
+    for name, ckpt in (("upstream", up), ("mecefo", ours)):
+        dcp_to_torch_save(ckpt / "iter_0000006", tmp_path / f"{name}.pt")
+        common = torch.load(ckpt / "iter_0000006" / "common.pt", weights_only=False)
+        state[name] = (torch.load(tmp_path / f"{name}.pt", weights_only=False), common)
+    (want, want_common), (got, got_common) = state["upstream"], state["mecefo"]
+    keys = sorted(k for k in want if k.startswith("optimizer."))
+    assert keys and keys == sorted(k for k in got if k.startswith("optimizer."))
+    assert {k.split(".")[2] for k in keys} == {"param", "exp_avg", "exp_avg_sq"}
+    for k in keys:
+        assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
+        # float summation order (3 replicas vs 1 rank): near-zero moments move by ~1e-6 of the learning rate
+        assert (got[k] - want[k]).norm() <= 1e-3 * want[k].norm(), (k, (got[k] - want[k]).norm() / want[k].norm())
+    assert got_common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert got_common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    groups = [[g["step"], g["wd_mult"]] for g in got_common["optimizer"]["optimizer"]["param_groups"]]
+    assert groups == [[g["step"], g["wd_mult"]] for g in want_common["optimizer"]["optimizer"]["param_groups"]]
+    assert groups[0][0] == 6
+    (ours / "latest_checkpointed_iteration.txt").write_text("6")
+    resumed = mlm.mecefo_launch(mlm_checkout, 2, mlm.args(dp=2, micro_batches=3, iters=12, extra=EXACT + [
+        "--use-distributed-optimizer", "--load", str(ours)]), timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    want_losses, got_losses = mds.losses(upstream.stdout), mds.losses(resumed.stdout)
+    assert sorted(got_losses) == list(range(7, 13))
+    assert got_losses[8] == pytest.approx((want_losses[7] + want_losses[8]) / 2, rel=1e-4, abs=1e-6)
+    for it in [7] + list(range(9, 13)):
+        assert got_losses[it] == pytest.approx(want_losses[it], rel=1e-4, abs=1e-6), it

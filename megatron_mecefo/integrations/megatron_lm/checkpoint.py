@@ -9,6 +9,13 @@ A checkpoint's optimizer state is one of:
   scheduler, RNG and counters, not the optimizer (its plain optimizer's keys are not in there);
 - a plain optimizer's state: upstream loads it, and the sharded state starts from it.
 What the job cannot read ends before the model is built (UsageError: exit 2).
+
+Saving (`shard_saver`): every rank writes its shard as a file; the lead replica's rank of each
+position gathers them (zero.py `collect`) and upstream's own save writes the whole state as its
+DistributedOptimizer's "fully_reshardable" layout (content metadata included), in the same
+torch_dist checkpoint as the model: upstream with --use-distributed-optimizer resumes it at any
+data-parallel size, MeCeFO at any replica count. A job that gives up keeps the shard files (its
+ranks cannot gather); MeCeFO resumes those.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Callable, Optional
 
 from megatron_mecefo.integrations.common import UsageError
 
-__all__ = ["check_loaded_optimizer", "loaded_optimizer_state", "wrap_load_checkpoint"]
+__all__ = ["check_loaded_optimizer", "loaded_optimizer_state", "wrap_load_checkpoint", "shard_saver"]
 
 
 def _loaded_checkpoint(args) -> Optional[str]:
@@ -75,8 +82,8 @@ def check_loaded_optimizer(args, sharded: bool) -> None:
                          f"distrib_optim.pt, which MeCeFO does not read: save it in the torch_dist format "
                          f"(--ckpt-format torch_dist, upstream's default), {restart}")
     if kind is None and directory is not None and sharded and args.bf16:
-        raise UsageError(f"the checkpoint in {args.load} keeps its fp32 master parameters in Megatron's mixed-precision "
-                         "optimizer (a --bf16 run without --use-distributed-optimizer); with --bf16 "
+        raise UsageError(f"the checkpoint in {args.load} keeps its fp32 master parameters in Megatron's "
+                         "mixed-precision optimizer (a --bf16 run without --use-distributed-optimizer); with --bf16 "
                          "--use-distributed-optimizer they live in MeCeFO's sharded state, and this checkpoint has "
                          f"none: resume it without --use-distributed-optimizer, {restart}")
 
@@ -119,7 +126,8 @@ def wrap_load_checkpoint(original: Callable, state) -> Callable:
                     undo.callback(setattr, inner, "init_state_fn", inner.init_state_fn)
                     inner.init_state_fn = lambda *_a, **_k: None
             elif kind == "distributed":  # model, scheduler, RNG and counters only
-                for name, skip in (("sharded_state_dict", lambda *_a, **_k: {}), ("load_state_dict", lambda *_a, **_k: None)):
+                skips = (("sharded_state_dict", lambda *_a, **_k: {}), ("load_state_dict", lambda *_a, **_k: None))
+                for name, skip in skips:
                     undo.callback(vars(optimizer).pop, name, None)
                     setattr(optimizer, name, skip)
             try:
@@ -141,3 +149,53 @@ def _checkpointing_error(e: BaseException) -> bool:
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     return isinstance(e, (CheckpointException, CheckpointingException))
+
+
+def shard_saver(args, model, optimizer, shards, directory_of: Callable, state, log) -> Callable:
+    """`State.save_shards` of a sharded job: (iteration) -> this rank writes its shard under
+    `directory_of(iteration)`; on the lead replica returns the context upstream's save runs in to
+    write the gathered state in its format (None: the shard files stay, see the module docstring)."""
+
+    def save(iteration=None):
+        rt = state.driver.runtime
+        directory = directory_of(iteration)
+        stamp = f"{rt.job_id}:{rt.generation}:{iteration}"
+        shards.save(directory, copies=False, stamp=stamp)
+        if args.ckpt_format != "torch_dist" or not rt.leads():
+            return None
+        got = shards.collect(directory, stamp, rt.cfg.collective_timeout_s)
+        if got is None:
+            log.warning("%s: not every optimizer shard was written within %.0f s: the state stays in MeCeFO's shard "
+                        "files (MeCeFO resumes them; Megatron without MeCeFO does not)", directory,
+                        rt.cfg.collective_timeout_s)
+            return None
+        from megatron_mecefo.elastic.zero import innermost_optimizer
+        from megatron_mecefo.integrations.megatron_lm.dist_checkpoint import fully_reshardable_state_dict
+
+        whole, scalars, parts = got
+        sd = fully_reshardable_state_dict(model, innermost_optimizer(optimizer), shards.params, whole, scalars,
+                                          shards.group_bounds)
+        return _as_distributed_optimizer(args, optimizer, sd, parts)
+
+    return save
+
+
+@contextlib.contextmanager
+def _as_distributed_optimizer(args, optimizer, sharded_state_dict: dict, parts):
+    """Upstream's save writes `sharded_state_dict` as its optimizer's, with the content metadata of
+    a DistributedOptimizer in "fully_reshardable"; the shard files go once it is written."""
+    flags = ("use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable",
+             "distrib_optim_fully_reshardable_mem_efficient")
+    before = {f: getattr(args, f, None) for f in flags}
+    args.use_distributed_optimizer, args.dist_ckpt_optim_fully_reshardable = True, True
+    args.distrib_optim_fully_reshardable_mem_efficient = False
+    optimizer.sharded_state_dict = lambda *_a, **_k: sharded_state_dict
+    try:
+        yield
+    finally:
+        vars(optimizer).pop("sharded_state_dict", None)
+        for f, v in before.items():
+            setattr(args, f, v)
+    for part in parts:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(part)

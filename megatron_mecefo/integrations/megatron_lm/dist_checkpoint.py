@@ -16,6 +16,7 @@ a planner that asks for sub-chunks, no collective). The step counts come from th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import math
@@ -26,7 +27,7 @@ import torch
 
 from megatron_mecefo.elastic.state_source import Piece, StateSource
 
-__all__ = ["dist_optimizer_state", "bucket_offsets", "sharding_type"]
+__all__ = ["dist_optimizer_state", "fully_reshardable_state_dict", "bucket_offsets", "sharding_type"]
 
 KEYS = {"master": "param"}
 """MeCeFO's per-element keys -> the distributed optimizer's (the rest are the same)."""
@@ -39,10 +40,11 @@ def sharding_type(common: dict) -> Optional[str]:
     return found or (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
 
 
-def bucket_offsets(params: Sequence[torch.Tensor], *, bucket_size: Optional[int]) -> Tuple[Dict[int, Tuple[int, int]], List[int]]:
+def bucket_offsets(params: Sequence[torch.Tensor], *,
+                   bucket_size: Optional[int]) -> Tuple[Dict[int, Tuple[int, int]], List[int]]:
     """Upstream's layout of one grad buffer with the distributed optimizer (megatron.core 0.16's
     `_ParamAndGradBuffer.__init__`): id(param) -> (bucket, offset in the bucket), and each
-    bucket's unpadded size. The bucket end padding only moves later buckets, never an offset."""
+    bucket's unpadded size (what the checkpoint stores; checked against it by the reader)."""
     where, sizes = {}, []
     start = bucket_start = 0
     in_bucket = 0
@@ -50,8 +52,10 @@ def bucket_offsets(params: Sequence[torch.Tensor], *, bucket_size: Optional[int]
     def close(end: int) -> int:
         nonlocal bucket_start, in_bucket
         sizes.append(end - bucket_start)
-        bucket_start, in_bucket = end, 0  # a padded end is where the next bucket starts: offsets are relative
-        return end
+        # upstream pads the end to a multiple of lcm(dp, 128) (a multiple of 64): the next bucket's
+        # offsets are those of a start at the next multiple of 64
+        bucket_start, in_bucket = math.ceil(end / 64) * 64, 0
+        return bucket_start
 
     for p in list(params)[::-1]:
         start = math.ceil(start / 64) * 64
@@ -170,7 +174,8 @@ def _read(ckpt: _Checkpoint, box, key: str, lo: int, hi: int) -> torch.Tensor:
     return ckpt.box(fqn, offsets, sizes).reshape(-1)[lo:hi]
 
 
-_BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\.(\w+)$")
+_BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
+                     r"\.bucket_idx_(\d+)\.(\w+)$")
 
 
 def _bucket_boxes(ckpt: _Checkpoint, args, model_chunks, params, mp_rank: int, pp_rank: int, origin: str):
@@ -235,22 +240,10 @@ def _check_boundaries(ckpt: _Checkpoint, fqn: str, a: int, b: int, origin: str) 
 
 def _model_space_boxes(ckpt: _Checkpoint, model_chunks, params, origin: str):
     """Each parameter's box in the fully_reshardable tensors, from the model's sharded state dict."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from megatron.core.dist_checkpointing.utils import extract_sharded_base
-
-    sharded = {}
-    for chunk in model_chunks:
-        while hasattr(chunk, "module"):  # DDP, Float16Module: upstream's keys are the inner model's
-            chunk = chunk.module
-        sd, _ = extract_sharded_base(chunk.sharded_state_dict())
-        for sh in _values(sd):
-            sharded[id(sh.data)] = sh
+    sharded = _sharded_tensors(model_chunks, params, origin)
     boxes, have = [], set()
     for p in params:
-        sh = sharded.get(id(p))
-        if not isinstance(sh, ShardedTensor) or sh.flattened_range is not None:
-            raise ValueError(f"{origin}: a parameter of shape {tuple(p.shape)} has no plain sharded tensor in the model "
-                             "(a fused or factory layout): load the default dp_reshardable layout, or --no-load-optim")
+        sh = sharded[id(p)]
         prefix = f"optimizer.state.{{key}}.{sh.key}"
         sizes = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
         md = ckpt.metadata.get(prefix.format(key="exp_avg"))
@@ -262,6 +255,52 @@ def _model_space_boxes(ckpt: _Checkpoint, model_chunks, params, origin: str):
         if fqn.startswith("optimizer.state."):
             have.add(fqn.split(".")[2])
     return boxes, have
+
+
+def _sharded_tensors(model_chunks, params, origin: str) -> dict:
+    """id(parameter) -> its ShardedTensor in the model's sharded state dict (upstream's key, global
+    shape and offsets), for each of `params`."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+    sharded = {}
+    for chunk in model_chunks:
+        while hasattr(chunk, "module"):  # DDP, Float16Module: upstream's keys are the inner model's
+            chunk = chunk.module
+        sd, _ = extract_sharded_base(chunk.sharded_state_dict())
+        for sh in _values(sd):
+            sharded[id(sh.data)] = sh
+    for p in params:
+        sh = sharded.get(id(p))
+        if not isinstance(sh, ShardedTensor) or sh.flattened_range is not None:
+            raise ValueError(f"{origin}: a parameter of shape {tuple(p.shape)} has no plain sharded tensor in the "
+                             "model (a fused or factory layout): MeCeFO cannot place its optimizer state in model space")
+    return sharded
+
+
+def fully_reshardable_state_dict(model_chunks, inner, params: Sequence[torch.Tensor], state: Dict[str, torch.Tensor],
+                                 scalars: Dict[str, torch.Tensor], group_bounds: Sequence[Tuple[int, int]]) -> dict:
+    """The whole optimizer state (flat, `state` per key and `scalars` per element, over `params`)
+    as upstream's DistributedOptimizer writes it with "fully_reshardable" (its
+    `sharded_param_state_fully_reshardable`): per parameter "param" (fp32), "exp_avg",
+    "exp_avg_sq" in model space, and the param groups (of the torch optimizer `inner`) with their step."""
+    sharded = _sharded_tensors(model_chunks, params, "the optimizer state")
+    groups = []
+    for pg, (a, b) in zip(inner.state_dict()["param_groups"], group_bounds):
+        step = float(scalars["step"][a:b].max()) if "step" in scalars and b > a else 0.0
+        groups.append({**{k: v for k, v in pg.items() if k != "params"}, "step": step})
+    param_state, at = {}, 0
+    for i, p in enumerate(params):
+        sh, n = sharded[id(p)], p.numel()
+        tensors = {}
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            flat = state["master" if key == "param" else key] if key != "param" or "master" in state else None
+            data = (flat[at:at + n] if flat is not None else p.detach().reshape(-1).float()).reshape(sh.data.shape)
+            tensors[key] = dataclasses.replace(sh, key=f"optimizer.state.{key}.{sh.key}", data=data, dtype=data.dtype)
+        param_state[i] = tensors
+        at += n
+    return {"optimizer": {"param_groups": groups}, "param_state": param_state,
+            "param_state_sharding_type": "fully_reshardable"}
 
 
 def _values(tree):

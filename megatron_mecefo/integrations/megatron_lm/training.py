@@ -180,7 +180,8 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
                             train_iters=args.train_iters, backend=args.distributed_backend)
         STATE.driver = Step(driver, model, overlap=args.overlap_grad_reduce)
         if shards is not None and args.save:
-            STATE.save_shards = lambda iteration=None: shards.save(shard_dir(iteration))
+            STATE.save_shards = checkpoint.shard_saver(args, model, optimizer, shards, shard_dir, STATE,
+                                                       driver.runtime.log)
         if STATE.lead() and not driver.runtime.rejoined:
             print(driver.banner(args.iteration), flush=True)
         return model, optimizer, scheduler
