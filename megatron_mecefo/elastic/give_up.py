@@ -6,13 +6,19 @@ replica writes the rest."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import time
 from typing import Callable, Optional, Sequence
 
 from megatron_mecefo.elastic.topology import Grid
 
-__all__ = ["GiveUpCheckpoint", "write_checkpoint"]
+__all__ = ["GiveUpCheckpoint", "write_checkpoint", "SHARDS_VISIBLE_S"]
+
+SHARDS_VISIBLE_S = 5.0
+"""How long a host's give-up `save` looks for the holders' shard files, which GiveUpCheckpoint has
+waited for already: time for a shared file system to show them."""
 
 
 def write_checkpoint(store, grid: Grid, rank: int, *, step: int, has_state: bool,
@@ -46,20 +52,44 @@ def write_checkpoint(store, grid: Grid, rank: int, *, step: int, has_state: bool
 class GiveUpCheckpoint:
     """This rank's part of the give-up checkpoint. `save`: () -> path, the host's checkpoint of the
     last committed step (None: none); `save_shards`: writes this rank's ranges of a sharded
-    optimizer state (`sharding`) beside it."""
+    optimizer state (`sharding`) beside it. The writer of each position waits (up to `wait_s`)
+    until every survivor of that position has written its ranges (or said it holds none), so the
+    host's `save` can gather them into its own format."""
 
     def __init__(self, store, grid: Grid, rank: int, *, save: Optional[Callable[[], str]],
-                 save_shards: Optional[Callable[[], None]], sharding, log: logging.LoggerAdapter) -> None:
-        self.store, self.grid, self.rank, self.log = store, grid, rank, log
+                 save_shards: Optional[Callable[[], None]], sharding, log: logging.LoggerAdapter,
+                 wait_s: float = 60.0) -> None:
+        self.store, self.grid, self.rank, self.log, self.wait_s = store, grid, rank, log, wait_s
         self._save, self._save_shards, self._sharding = save, save_shards, sharding
 
-    def write(self, step: int, *, has_state: bool, survivors: Optional[Sequence[int]]) -> Optional[str]:
+    def write(self, step: int, *, has_state: bool, survivors: Optional[Sequence[int]],
+              shard_peers: Optional[Sequence[int]] = None) -> Optional[str]:
         """Write what this rank holds of the checkpoint of `step`; returns the checkpoint's path if
-        this rank's replica wrote it (see write_checkpoint)."""
-        if self._save_shards is not None and has_state and self._sharding.layout is not None:
-            try:  # every holder writes its own ranges of the sharded optimizer state
-                self._save_shards()
-            except Exception as e:
-                self.log.error("could not write this rank's optimizer shards: %s", e)
-        return write_checkpoint(self.store, self.grid, self.rank, step=step, has_state=has_state, save=self._save,
+        this rank's replica wrote it (see write_checkpoint). `shard_peers`: this position's
+        survivors where the give-up knows them better than `survivors` (a lost shard)."""
+        save = self._save
+        if self._save_shards is not None:
+            if has_state and self._sharding.layout is not None:
+                try:  # every holder writes its own ranges of the sharded optimizer state
+                    self._save_shards()
+                except Exception as e:
+                    self.log.error("could not write this rank's optimizer shards: %s", e)
+            self.store.set(_SHARDS_DONE.format(step=step, rank=self.rank), "1")
+            if save is not None:
+                save = functools.partial(self._after_shards, step, shard_peers or survivors, save)
+        return write_checkpoint(self.store, self.grid, self.rank, step=step, has_state=has_state, save=save,
                                 survivors=survivors, log=self.log)
+
+    def _after_shards(self, step: int, survivors: Optional[Sequence[int]], save: Callable[[], str]) -> str:
+        position = self.grid.position(self.rank)
+        mates = [r for r in (range(self.grid.world) if survivors is None else survivors)
+                 if self.grid.position(r) == position]
+        keys = [_SHARDS_DONE.format(step=step, rank=r) for r in mates]
+        deadline = time.monotonic() + self.wait_s
+        while not self.store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return save()
+
+
+_SHARDS_DONE = "job/giveup_shards/{step}/{rank}"
+"""Set by each rank once its ranges of the sharded state are written (or it holds none)."""

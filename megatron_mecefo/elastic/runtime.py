@@ -186,7 +186,8 @@ class ElasticRuntime:
                                     self.log, micro_batches=micro_batches, sharding=sharding, get_state=state.get,
                                     backend=backend, costs=self._costs)
         self._checkpoint = GiveUpCheckpoint(self.store, self.grid, rank, save=state.save_checkpoint,
-                                            save_shards=state.save_shards, sharding=sharding, log=self.log)
+                                            save_shards=state.save_shards, sharding=sharding, log=self.log,
+                                            wait_s=config.collective_timeout_s)
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -473,7 +474,8 @@ class ElasticRuntime:
         reason = str(error).splitlines()[0]
         if not isinstance(error, JobAborted):
             self.log.error("giving up: %s", reason)
-        ckpt = self._checkpoint.write(self.step, has_state=self._has_state, survivors=getattr(error, "members", None))
+        ckpt = self._checkpoint.write(self.step, has_state=self._has_state, survivors=getattr(error, "members", None),
+                                      shard_peers=getattr(error, "peers", None))
         error.checkpoint = ckpt
         try:
             self.membership.mark_failed(reason, generation=self.generation, step=self.step)

@@ -406,9 +406,11 @@ class ShardedOptimizer:
             self._sync_parameters(group, old, held_by, replicas, should_abort)
         if change.lost and self.on_loss != "reinit":
             lost = ", ".join(f"[{a}, {b})" for a, b in change.lost)
-            raise ShardLost(f"the sharded optimizer state lost elements {lost} of {self.numel}: their owner and the "
-                            "holder of their copy failed together (or shard_redundancy is \"none\"); the job ends with "
-                            "the last checkpoint (on_shard_loss: \"reinit\" rebuilds such ranges instead)")
+            error = ShardLost(f"the sharded optimizer state lost elements {lost} of {self.numel}: their owner and "
+                              "the holder of their copy failed together (or shard_redundancy is \"none\"); the job ends "
+                              "with the last checkpoint (on_shard_loss: \"reinit\" rebuilds such ranges instead)")
+            error.peers = list(peers)  # this position's survivors: they write their ranges of the give-up checkpoint
+            raise error
         fresh = {into: self._new_held(a, b) for into, (a, b) in new.held(mine).items()}
         width = len(self.keys) + len(self.fresh_scalars)
         # every remote move in one all-to-all (gloo's send/recv cannot be polled, so a peer could not

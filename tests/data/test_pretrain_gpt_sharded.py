@@ -105,6 +105,24 @@ def test_a_sharded_checkpoint_resumes_at_another_replica_count_and_without_mecef
     assert_fault_free_losses(left, replicated, range(5, 9))
 
 
+def test_a_give_up_checkpoint_gathers_the_shards_into_deepspeeds_format(tmp_path, replicated):
+    """3 replicas, no restarts: rank 1 dies at step 3 (rank 2 covers it), rank 2 at step 6, and
+    rank 0 cannot cover both: the job gives up (exit 3). Rank 0 holds every shard (its own and its
+    copy of rank 2's) and writes the checkpoint of the last committed step with the state gathered
+    into DeepSpeed's ZeRO file; plain DeepSpeed on one rank resumes it with the fault-free losses."""
+    ckpt = tmp_path / "ckpt"
+    proc = run(tmp_path, 3, 1, *EXACT, "--mecefo-inject", "kill:1:3", "--mecefo-inject", "kill:2:6", "--save", str(ckpt),
+               expect=3)
+    out = proc.stdout + proc.stderr
+    tag = (ckpt / "latest").read_text().strip()
+    assert f"checkpoint of step {tag.removeprefix('global_step')} written to" in out
+    assert sorted(p.name for p in (ckpt / tag).glob("*optim*.pt")) == ["zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    left = run(tmp_path, 1, 1, "--load", str(ckpt)).stdout
+    done = int(tag.removeprefix("global_step"))
+    assert sorted(losses(left)) == list(range(done + 1, 9))
+    assert_fault_free_losses(left, replicated, range(done + 1, 9))
+
+
 def test_a_shard_without_copy_ends_the_job_with_a_checkpoint_that_says_what_it_lacks(tmp_path):
     """shard_redundancy "none": rank 1 is killed after step 3's commit (the others' parameter gather
     fails), its shard has no copy, and the job gives up with the checkpoint after that step (the

@@ -14,8 +14,9 @@ Saving (`shard_saver`): every rank writes its shard as a file; the lead replica'
 position gathers them (zero.py `collect`) and upstream's own save writes the whole state as its
 DistributedOptimizer's "fully_reshardable" layout (content metadata included), in the same
 torch_dist checkpoint as the model: upstream with --use-distributed-optimizer resumes it at any
-data-parallel size, MeCeFO at any replica count. A job that gives up keeps the shard files (its
-ranks cannot gather); MeCeFO resumes those.
+data-parallel size, MeCeFO at any replica count. A job that gives up does the same from the
+holders' files (every holder writes its ranges, the checkpoint's writer gathers them); when a range
+has no live holder they stay shard files, which MeCeFO refuses to resume the optimizer from.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Callable, Optional
 
 from megatron_mecefo.integrations.common import UsageError
 
-__all__ = ["check_loaded_optimizer", "loaded_optimizer_state", "wrap_load_checkpoint", "shard_saver"]
+__all__ = ["check_loaded_optimizer", "loaded_optimizer_state", "wrap_load_checkpoint", "shard_saver", "gathered"]
 
 
 def _loaded_checkpoint(args) -> Optional[str]:
@@ -161,23 +162,32 @@ def shard_saver(args, model, optimizer, shards, directory_of: Callable, state, l
         directory = directory_of(iteration)
         stamp = f"{rt.job_id}:{rt.generation}:{iteration}"
         shards.save(directory, copies=False, stamp=stamp)
-        if args.ckpt_format != "torch_dist" or not rt.leads():
+        if not rt.leads():
             return None
-        got = shards.collect(directory, stamp, rt.cfg.collective_timeout_s)
-        if got is None:
-            log.warning("%s: not every optimizer shard was written within %.0f s: the state stays in MeCeFO's shard "
-                        "files (MeCeFO resumes them; Megatron without MeCeFO does not)", directory,
-                        rt.cfg.collective_timeout_s)
-            return None
-        from megatron_mecefo.elastic.zero import innermost_optimizer
-        from megatron_mecefo.integrations.megatron_lm.dist_checkpoint import fully_reshardable_state_dict
-
-        whole, scalars, parts = got
-        sd = fully_reshardable_state_dict(model, innermost_optimizer(optimizer), shards.params, whole, scalars,
-                                          shards.group_bounds)
-        return _as_distributed_optimizer(args, optimizer, sd, parts)
+        return gathered(args, model, optimizer, shards, directory, stamp=stamp, timeout_s=rt.cfg.collective_timeout_s,
+                        log=log)
 
     return save
+
+
+def gathered(args, model, optimizer, shards, directory: str, *, stamp: str, timeout_s: float, log):
+    """Once the shard files of the save `stamp` cover the state: the context in which upstream's
+    save writes it as its DistributedOptimizer's (then the files go). None when they do not within
+    timeout_s (a warning; they stay), or the format is not torch_dist."""
+    if args.ckpt_format != "torch_dist":
+        return None
+    got = shards.collect(directory, stamp, timeout_s)
+    if got is None:
+        log.warning("%s: not every optimizer shard was written within %.0f s: the state stays in MeCeFO's shard "
+                    "files (MeCeFO resumes them; Megatron without MeCeFO does not)", directory, timeout_s)
+        return None
+    from megatron_mecefo.elastic.zero import innermost_optimizer
+    from megatron_mecefo.integrations.megatron_lm.dist_checkpoint import fully_reshardable_state_dict
+
+    whole, scalars, parts = got
+    sd = fully_reshardable_state_dict(model, innermost_optimizer(optimizer), shards.params, whole, scalars,
+                                      shards.group_bounds)
+    return _as_distributed_optimizer(args, optimizer, sd, parts)
 
 
 @contextlib.contextmanager

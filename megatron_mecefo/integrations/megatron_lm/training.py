@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 from typing import Callable, Optional
 
@@ -135,6 +136,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
 
         from megatron_mecefo.approx import Coverable
         from megatron_mecefo.elastic.attach import attach
+        from megatron_mecefo.elastic.give_up import SHARDS_VISIBLE_S
         from megatron_mecefo.elastic.runtime import StateHooks
         from megatron_mecefo.elastic.step import training_state
         from megatron_mecefo.integrations.megatron_lm.optimizer import sharded_state
@@ -156,8 +158,13 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         counters = arg_counters(args, ("iteration", "consumed_train_samples", "consumed_valid_samples",
                                        "skipped_train_samples", "num_floating_point_operations_so_far"))
 
-        def save():
-            save_checkpoint(args.iteration, model, optimizer, scheduler, args.num_floating_point_operations_so_far)
+        def save():  # the give-up checkpoint: the holders wrote their shards (stamp ""), gathered here
+            around = None
+            if shards is not None:
+                around = checkpoint.gathered(args, model, optimizer, shards, shard_dir(), stamp="",
+                                             timeout_s=SHARDS_VISIBLE_S, log=logging.getLogger(__name__))
+            with around or contextlib.nullcontext():
+                save_checkpoint(args.iteration, model, optimizer, scheduler, args.num_floating_point_operations_so_far)
             return os.path.join(args.save, f"iter_{args.iteration:07d}")
 
         def shard_dir(iteration=None):
