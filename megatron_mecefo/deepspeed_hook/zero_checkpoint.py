@@ -16,9 +16,9 @@ Saving (`write_zero_checkpoint`): the engine's model-state file says 1 data-para
 world is the replica), so the state is written as one ZeRO stage-1 rank's file holding every
 element, in DeepSpeed's unpadded ("elastic") per-group form, which its stage 1/2 optimizer pads
 to its own partition on load: plain DeepSpeed resumes it at one data-parallel rank (at another
-count through its universal checkpoint), MeCeFO at any replica count. The owners of the shards
-write them as files first; the lead replica's rank gathers them (zero.py `collect`) and replaces
-them with the ZeRO file.
+count through its universal checkpoint; untested), MeCeFO at any replica count. The owners of
+the shards write them as files first; the lead replica's rank gathers them (zero.py `collect`) and
+replaces them with the ZeRO file; a give-up checkpoint's writer does the same with the holders'.
 """
 
 from __future__ import annotations

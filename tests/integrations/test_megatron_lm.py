@@ -337,18 +337,26 @@ def test_tensor_parallel_replica_retires_and_is_covered(mlm_checkout, tmp_path):
 
 
 @pytest.mark.fault
-def test_give_up_writes_upstream_checkpoint_and_load_resumes(mlm_checkout, tmp_path):
+@pytest.mark.parametrize("sharded", [False, True])
+def test_give_up_writes_upstream_checkpoint_and_load_resumes(mlm_checkout, tmp_path, sharded):
     """3 replicas, no restarts: rank 1 dies at step 3 (rank 2 covers it), rank 2 at step 6, and
     rank 0 cannot cover both: the job gives up (exit 3) after rank 0 wrote upstream's checkpoint of
     the last committed step. `--load` then resumes there on the one replica left (the same global
-    batch in 6 micro-batches per step instead of 2): iteration, consumed samples, the LR."""
+    batch in 6 micro-batches per step instead of 2): iteration, consumed samples, the LR. With
+    --use-distributed-optimizer rank 0 holds every shard and writes them in upstream's
+    DistributedOptimizer layout."""
     ckpt = tmp_path / "ckpt"
     common = ["--save", str(ckpt), "--save-interval", "1000", "--mecefo", "--mecefo-rank", "16"]
+    common += ["--use-distributed-optimizer"] if sharded else []
     out = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, extra=common + [
         "--mecefo-inject", "kill:1:3", "--mecefo-inject", "kill:2:6"]))
     assert out.returncode == 3, out.stdout[-6000:]
     assert "cannot continue" in out.stdout and "checkpoint of the last committed step written to" in out.stdout
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "6", out.stdout[-6000:]
+    if sharded:
+        assert not list((ckpt / "iter_0000006").glob("mecefo_optim_*"))
+        common_sd = torch.load(ckpt / "iter_0000006" / "common.pt", weights_only=False)
+        assert common_sd["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     assert sorted(mds.losses(out.stdout)) == list(range(1, 7))
     resumed = mlm.mecefo_launch(mlm_checkout, 1, mlm.args(dp=1, micro_batches=6, extra=common + ["--load", str(ckpt)]))
     assert resumed.returncode == 0, resumed.stdout[-6000:]
