@@ -128,19 +128,15 @@ def write_zero_checkpoint(sharded, tag_dir: str, *, mp_rank: int, stamp: str, ti
     from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE_STEP
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    got = sharded.collect(tag_dir, stamp, timeout_s)
+    got = sharded.collect(tag_dir, stamp, timeout_s, log)
     if got is None:
-        log.warning("%s: not every optimizer shard was written within %.0f s: the state stays in MeCeFO's shard "
-                    "files (MeCeFO resumes them; DeepSpeed without MeCeFO does not)", tag_dir, timeout_s)
         return None
     state, scalars, parts = got
     params = state["master"] if "master" in state else sharded.whole_parameters()
-    groups, masters, steps = [], [], []
-    for a, b in sharded.group_bounds:
-        step = float(scalars["step"][a:b].max()) if "step" in scalars and b > a else 0.0
+    groups, masters, steps = [], [], sharded.group_steps(scalars)
+    for (a, b), step in zip(sharded.group_bounds, steps):
         groups.append({**{k: v[a:b].clone() for k, v in state.items() if k != "master"}, "step": torch.tensor(step)})
         masters.append(params[a:b].clone())
-        steps.append(step)
     sd = {"dynamic_loss_scale": False, "overflow": False, "clip_grad": clip_grad,
           "base_optimizer_state": groups, BASE_OPTIMIZER_STATE_STEP: max(steps, default=0.0),
           "single_partition_of_fp32_groups": masters, "zero_stage": ZeroStageEnum.optimizer_states,

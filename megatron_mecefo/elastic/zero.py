@@ -554,10 +554,10 @@ class ShardedOptimizer:
             paths.append(path)
         return paths
 
-    def collect(self, directory: str, stamp: str, timeout_s: float):
+    def collect(self, directory: str, stamp: str, timeout_s: float, log=None):
         """The whole state, once the shard files of the save `stamp` under `directory` cover it (the
         owners write theirs at the same step): ({key: flat values}, {scalar: per element}, their
-        paths); None when they do not within timeout_s."""
+        paths); None when they do not within timeout_s (logged to `log`: the files stay)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -565,10 +565,20 @@ class ShardedOptimizer:
                 break
             except ValueError:
                 if time.monotonic() > deadline:
+                    if log is not None:
+                        log.warning("%s: not every optimizer shard was written within %.0f s: the state stays in "
+                                    "MeCeFO's shard files (MeCeFO resumes them; the host alone does not)",
+                                    directory, timeout_s)
                     return None
                 time.sleep(0.05)
         state = {k: source.read(k, 0, self.numel) for k in self.keys}
         return state, dict(zip(self.fresh_scalars, source.scalars(self.fresh_scalars, 0, self.numel))), paths
+
+    def group_steps(self, scalars: Dict[str, torch.Tensor]) -> List[float]:
+        """Each param group's step count from `collect`'s per-element scalars (a range rebuilt by
+        "reinit" restarted lower: a format with one step per group takes the group's highest)."""
+        return [float(scalars["step"][a:b].max()) if "step" in scalars and b > a else 0.0
+                for a, b in self.group_bounds]
 
     def _files(self, directory: str) -> List[str]:
         return glob.glob(os.path.join(directory, SHARD_FILE.format(tag=self.tag, start="*", end="*")))

@@ -176,17 +176,15 @@ def gathered(args, model, optimizer, shards, directory: str, *, stamp: str, time
     timeout_s (a warning; they stay), or the format is not torch_dist."""
     if args.ckpt_format != "torch_dist":
         return None
-    got = shards.collect(directory, stamp, timeout_s)
+    got = shards.collect(directory, stamp, timeout_s, log)
     if got is None:
-        log.warning("%s: not every optimizer shard was written within %.0f s: the state stays in MeCeFO's shard "
-                    "files (MeCeFO resumes them; Megatron without MeCeFO does not)", directory, timeout_s)
         return None
     from megatron_mecefo.elastic.zero import innermost_optimizer
     from megatron_mecefo.integrations.megatron_lm.dist_checkpoint import fully_reshardable_state_dict
 
     whole, scalars, parts = got
-    sd = fully_reshardable_state_dict(model, innermost_optimizer(optimizer), shards.params, whole, scalars,
-                                      shards.group_bounds)
+    sd = fully_reshardable_state_dict(model, innermost_optimizer(optimizer), shards.params, whole,
+                                      shards.group_steps(scalars))
     return _as_distributed_optimizer(args, optimizer, sd, parts)
 
 

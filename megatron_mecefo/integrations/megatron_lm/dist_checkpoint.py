@@ -279,15 +279,14 @@ def _sharded_tensors(model_chunks, params, origin: str) -> dict:
 
 
 def fully_reshardable_state_dict(model_chunks, inner, params: Sequence[torch.Tensor], state: Dict[str, torch.Tensor],
-                                 scalars: Dict[str, torch.Tensor], group_bounds: Sequence[Tuple[int, int]]) -> dict:
-    """The whole optimizer state (flat, `state` per key and `scalars` per element, over `params`)
+                                 steps: Sequence[float]) -> dict:
+    """The whole optimizer state (flat, `state` per key over `params`, `steps` per param group)
     as upstream's DistributedOptimizer writes it with "fully_reshardable" (its
     `sharded_param_state_fully_reshardable`): per parameter "param" (fp32), "exp_avg",
     "exp_avg_sq" in model space, and the param groups (of the torch optimizer `inner`) with their step."""
     sharded = _sharded_tensors(model_chunks, params, "the optimizer state")
     groups = []
-    for pg, (a, b) in zip(inner.state_dict()["param_groups"], group_bounds):
-        step = float(scalars["step"][a:b].max()) if "step" in scalars and b > a else 0.0
+    for pg, step in zip(inner.state_dict()["param_groups"], steps):
         groups.append({**{k: v for k, v in pg.items() if k != "params"}, "step": step})
     param_state, at = {}, 0
     for i, p in enumerate(params):
