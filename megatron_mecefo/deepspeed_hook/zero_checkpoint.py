@@ -134,9 +134,9 @@ def write_zero_checkpoint(sharded, tag_dir: str, *, mp_rank: int, stamp: str, ti
     state, scalars, parts = got
     params = state["master"] if "master" in state else sharded.whole_parameters()
     groups, masters, steps = [], [], sharded.group_steps(scalars)
-    for (a, b), step in zip(sharded.group_bounds, steps):
-        groups.append({**{k: v[a:b].clone() for k, v in state.items() if k != "master"}, "step": torch.tensor(step)})
-        masters.append(params[a:b].clone())
+    for (a, b), step in zip(sharded.group_bounds, steps):  # views: torch.save keeps one copy of each flat tensor
+        groups.append({**{k: v[a:b] for k, v in state.items() if k != "master"}, "step": torch.tensor(step)})
+        masters.append(params[a:b])
     sd = {"dynamic_loss_scale": False, "overflow": False, "clip_grad": clip_grad,
           "base_optimizer_state": groups, BASE_OPTIMIZER_STATE_STEP: max(steps, default=0.0),
           "single_partition_of_fp32_groups": masters, "zero_stage": ZeroStageEnum.optimizer_states,
