@@ -20,7 +20,7 @@ from typing import Any, Dict, Mapping, Optional
 from megatron_mecefo.approx.mode import BASES, SVD_METHODS, CoverPolicy
 from megatron_mecefo.fault_rules import parse_rules, parse_trace
 
-__all__ = ["MeCeFOConfig", "LaunchEnv", "prepare_nccl_error_handling", "RECOMPUTE_CHOICES", "APPROXIMATE_CHOICES", "COVER_CHOICES",
+__all__ = ["MeCeFOConfig", "LaunchEnv", "RECOMPUTE_CHOICES", "APPROXIMATE_CHOICES", "COVER_CHOICES",
            "field_docs", "reference_table"]
 
 RECOMPUTE_CHOICES = ("auto", "always", "never")
@@ -69,16 +69,6 @@ class LaunchEnv:
 def cache_root() -> str:
     """Where built datasets are cached: $MECEFO_CACHE, else ~/.cache/megatron_mecefo."""
     return os.environ.get("MECEFO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megatron_mecefo")
-
-
-def prepare_nccl_error_handling() -> None:
-    """Make NCCL failures raise instead of killing the process (call before CUDA/NCCL start).
-
-    TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (PyTorch's default) tears the process down on a
-    communicator error; 2 aborts the communicator and raises, which MeCeFO needs to recover
-    in-process. A value the user set explicitly is kept. Untested here (no GPU in CI).
-    """
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 def _flag(key: str) -> str:

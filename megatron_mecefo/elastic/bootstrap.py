@@ -6,13 +6,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import sys
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_mecefo.config import LaunchEnv, prepare_nccl_error_handling
+from megatron_mecefo.config import LaunchEnv
+from megatron_mecefo.elastic import nccl_env
 from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.elastic.membership import Membership, OrphanWatch
 from megatron_mecefo.elastic.replica import replica_round, watch_replica
@@ -60,8 +62,9 @@ def init_distributed(backend: str = "gloo", tensor_parallel: int = 1, pipeline_p
         return _JOB
     env = LaunchEnv.read()
     grid = replica_grid(env.world, tensor_parallel, pipeline_parallel)
-    if backend == "nccl":
-        prepare_nccl_error_handling()
+    # NCCL's recovery settings, before any process group exists: already in the environment when
+    # mecefo-launch or the keeper started this process (they reported unsafe values)
+    nccl_env.apply(log=None if env.mecefo_launcher else lambda w: print(f"[mecefo] warning: {w}", file=sys.stderr))
     if not env.mecefo_launcher:
         from megatron_mecefo.elastic.keeper import keep
 

@@ -104,7 +104,7 @@ class Formation:
             failed = lambda g=generation: self.membership.not_formed(g)  # noqa: E731
             try:
                 group = groups.build_dp_group(self.store, generation, peers, self.rank, self._timeout, self.backend,
-                                              tag="t{}p{}".format(*self.position))
+                                              tag="t{}p{}".format(*self.position), should_abort=failed)
                 if self.sharding is not None:  # first: it re-sends the parameters the joiners' state then holds
                     sharded = self.sharding.regroup(group, peers, [self.grid.replica_of(r) for r in peers],
                                                     [r for r in peers if r not in agreed.joiners], self.rank,
@@ -116,10 +116,12 @@ class Formation:
                 if not self.membership.formed(generation, agreed.members):
                     raise MeCeFOError("another member's group or state transfer failed")
             except (GaveUp, JobFinished):  # JobAborted, or a shard of the optimizer state lost
-                groups.destroy_group(group)
+                groups.destroy_group(group, self.cfg.collective_timeout_s)
+                raise
+            except groups.AbortHung:
                 raise
             except Exception as e:  # a member died after the agreement or during the transfer
-                groups.destroy_group(group)
+                groups.destroy_group(group, self.cfg.collective_timeout_s)
                 self.membership.abort_step(generation, agreed.step)
                 self.log.warning("generation %d could not form (%s); agreeing again", generation,
                                  str(e).splitlines()[0][:120])

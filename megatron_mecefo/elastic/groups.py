@@ -8,25 +8,50 @@ tensor- and pipeline-parallel groups) is touched.
 gloo (CPU, tested): `ProcessGroupGloo(prefix_store, rank, size, timeout)`; the timeout bounds how
 long a hung peer can stall a collective. A broken group is aborted and dropped.
 
-NCCL (GPU; written per PyTorch's documented API, NOT exercised by CI): `ProcessGroupNCCL` with the
-same store prefix and `Options._timeout`; set TORCH_NCCL_ASYNC_ERROR_HANDLING to 2 (or 0) before
-CUDA initialisation so a failed communicator raises instead of tearing the process down (the
-default, 3, kills it), and call `abort()` on the broken group before building the next one.
+NCCL (GPU; written per PyTorch's documented API, NOT exercised by CI, see docs/design.md "NCCL"):
+`ProcessGroupNCCL` with the same store prefix, `Options._timeout` and a non-blocking communicator
+(`config.blocking = 0`), connected right away (`eager_connect_single_device`) from a helper thread
+while the caller polls `should_abort` and a deadline: a member that died after the agreement would
+otherwise leave the others blocked inside the communicator's init at the first collective, where
+nothing polls (torchft's pattern). The process environment comes from nccl_env.py.
+
+Every abort is bounded (`destroy_group`): NCCL's abort can hang in some versions (pytorch#119215,
+#149153); past the deadline it raises AbortHung and the runtime retires the rank, as it does a rank
+left out of a generation (its launcher restarts it). A destroyed group must not be referenced any
+more: a communicator's memory (~0.5 GB on a GPU) is freed only with the object (`alive()` counts).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["build_dp_group", "destroy_group", "dense_rank"]
+__all__ = ["build_dp_group", "destroy_group", "dense_rank", "nccl_options", "connect", "alive", "AbortHung"]
 
 logger = logging.getLogger(__name__)
+
+_BUILT: "weakref.WeakSet" = weakref.WeakSet()  # every group built here that still exists
+
+
+class AbortHung(RuntimeError):
+    """A group's abort did not return within its deadline (NCCL's abort can hang): the process
+    cannot be trusted to build another communicator and must leave (the runtime retires it)."""
+
+
+def alive() -> int:
+    """How many groups built here still exist (after a regroup: one per (tp, pp) position this
+    rank holds; more means an old communicator is still referenced and its memory not freed)."""
+    import gc
+
+    gc.collect()
+    return len(_BUILT)
 
 
 def default_backend() -> str:
@@ -41,32 +66,93 @@ def dense_rank(members: Sequence[int], rank: int) -> int:
 
 
 def build_dp_group(store: dist.Store, generation: int, members: Sequence[int], rank: int, timeout: timedelta,
-                   backend: str = "gloo", tag: str = "t0p0"):
+                   backend: str = "gloo", tag: str = "t0p0", should_abort: Optional[Callable[[], bool]] = None):
     """The data-parallel group of `generation` over `members` (call on every member); `tag` names
-    the (tp, pp) position whose group it is (one per position).
+    the (tp, pp) position whose group it is (one per position). An NCCL group is connected before
+    it returns, within `timeout` (see `connect`; `should_abort` ends the wait early).
 
     Returns:
         A torch.distributed backend ProcessGroup (gloo or NCCL) of size len(members).
     """
     prefix = dist.PrefixStore(f"mecefo/gen{generation}/dp/{tag}", store)
     size, me = len(members), dense_rank(members, rank)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefix, me, size, timeout)
-    if backend == "nccl":  # untested here (no GPU in CI)
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefix, me, size, opts)
-    raise ValueError(f"unsupported backend {backend!r} (gloo or nccl)")
+    if backend == "gloo":  # connects in its constructor, bounded by `timeout`
+        group = dist.ProcessGroupGloo(prefix, me, size, timeout)
+    elif backend == "nccl":  # untested here (no GPU in CI)
+        group = dist.ProcessGroupNCCL(prefix, me, size, nccl_options(timeout))
+        connect(group, torch.device("cuda", torch.cuda.current_device()), timeout, should_abort)
+    else:
+        raise ValueError(f"unsupported backend {backend!r} (gloo or nccl)")
+    _BUILT.add(group)
+    return group
 
 
-def destroy_group(group) -> None:
-    """Abort a (possibly broken) group so its sockets and threads go away."""
+def nccl_options(timeout: timedelta, options_type=None):
+    """Options of a generation's NCCL group: the collective timeout, and a non-blocking
+    communicator (its init and abort can be interrupted: hazard (b) of docs/design.md "NCCL";
+    NCCL's own waits are bounded by TORCH_NCCL_NONBLOCKING_TIMEOUT, nccl_env.py)."""
+    opts = (options_type or dist.ProcessGroupNCCL.Options)()
+    opts._timeout = timeout
+    opts.config.blocking = 0
+    return opts
+
+
+def _bounded(fn: Callable[[], None], name: str, deadline: float, should_abort: Optional[Callable[[], bool]] = None,
+             poll_s: float = 0.05) -> Optional[BaseException]:
+    """Run `fn` on a daemon thread; wait until it returns, `deadline` (time.monotonic()) passes or
+    `should_abort()`. Returns its exception (None when it returned); raises TimeoutError or
+    PeerAborted when the wait ended first (the thread is left behind: it may never return)."""
+    done, raised = threading.Event(), []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: B902 - handed to the caller
+            raised.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"mecefo-{name}", daemon=True).start()
+    while not done.wait(poll_s):
+        if should_abort is not None and should_abort():
+            raise PeerAborted(f"{name}: a peer declared this generation failed")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{name} did not return within its deadline")
+    return raised[0] if raised else None
+
+
+def connect(group, device, timeout: timedelta, should_abort: Optional[Callable[[], bool]] = None) -> None:
+    """Build `group`'s communicator now (`eager_connect_single_device`), not at its first
+    collective: a member that died after the agreement leaves the others waiting in the init, and
+    here that wait is bounded by `timeout` and `should_abort`; then the group is aborted (bounded,
+    see destroy_group) and the error raised, so the generation fails to form and the members agree
+    on the next one."""
+    try:
+        error = _bounded(lambda: group.eager_connect_single_device(device), "nccl-connect",
+                         time.monotonic() + timeout.total_seconds(), should_abort)
+    except (TimeoutError, PeerAborted):
+        destroy_group(group, timeout.total_seconds())
+        raise
+    if error is not None:
+        destroy_group(group, timeout.total_seconds())
+        raise error
+
+
+def destroy_group(group, deadline_s: float = 60.0) -> None:
+    """Abort a (possibly broken) group so its communicator, sockets and threads go away, waiting at
+    most `deadline_s` for the abort.
+
+    Raises:
+        AbortHung: the abort did not return in time (the rank must leave the job).
+    """
     if group is None:
         return
     try:
-        group.abort()
-    except Exception as e:  # already broken: nothing more to release
-        logger.debug("abort of a broken group raised %s", e)
+        error = _bounded(group.abort, "abort", time.monotonic() + deadline_s)
+    except TimeoutError:
+        raise AbortHung(f"aborting the data-parallel group did not return within {deadline_s:g} s") from None
+    if error is not None:  # already broken: nothing more to release
+        logger.debug("abort of a broken group raised %s", error)
 
 
 class PeerAborted(RuntimeError):

@@ -30,6 +30,7 @@ from datetime import timedelta
 from typing import NoReturn, Optional, Tuple
 
 from megatron_mecefo.config import LaunchEnv
+from megatron_mecefo.elastic import nccl_env
 from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.elastic.store_daemon import spawn_store_daemon
 from megatron_mecefo.elastic.supervise import Rank, Supervisor
@@ -91,11 +92,11 @@ def keep(env: LaunchEnv, *, restart_failed_after: Optional[float], max_restarts:
     log.info("job %s: store on %s:%d; training runs in a child process (restarts: %s)", job_id, host, port,
              f"after {restart_failed_after:g} s, at most {restarts}" if restart_failed_after is not None else "none")
 
-    nccl = {}
-    if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "1":
-        # torchrun's default tears a process down on a communicator error, survivors included; MeCeFO
-        # needs the communicator aborted and an error raised (untested here: no GPU in CI)
-        nccl = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    # before the training process's CUDA/NCCL start; under torchrun, its agent's default
+    # TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (a survivor torn down on a communicator error) is replaced
+    nccl, warnings = nccl_env.nccl_environment(os.environ, nccl_env.agent_environ(os.environ))
+    for w in warnings:
+        log.warning(w)
 
     def env_for(r: Rank) -> dict:
         return dict(os.environ, MASTER_ADDR=host, MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="1",

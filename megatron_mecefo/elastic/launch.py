@@ -16,7 +16,8 @@ store on a head node (`mecefo-store --host HEAD --port PORT`) and start every no
 the launcher with exit status 2 and a message saying what holds it. Ranks get RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (the store; TORCHELASTIC_USE_AGENT_STORE=1
 makes torch's env:// init connect to it as a client), MECEFO_INCARNATION, MECEFO_JOB_ID,
-MECEFO_MAX_RESTARTS (what a trace may count on) and MECEFO_LAUNCHER=1.
+MECEFO_MAX_RESTARTS (what a trace may count on), MECEFO_LAUNCHER=1 and the NCCL settings in-process
+recovery needs (nccl_env.py; a value the user set is kept, and reported when unsafe).
 
 The job ends early, with no more restarts, when:
 * a rank gives up (exit status 3, or `job/failed` in the store: no cover possible, no member with
@@ -42,6 +43,7 @@ import os
 import sys
 from datetime import timedelta
 
+from megatron_mecefo.elastic import nccl_env
 from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.elastic.supervise import Rank, Supervisor
 from megatron_mecefo.errors import USAGE_EXIT_CODE
@@ -104,10 +106,13 @@ def main(argv=None) -> int:
     logger.info("job %s: store on %s:%d", job_id, args.master_addr, port)
     ranks = [Rank(args.node_rank * args.nproc_per_node + i, i) for i in range(args.nproc_per_node)]
     max_restarts = args.max_restarts if args.restart_failed_after is not None else 0
+    nccl, warnings = nccl_env.nccl_environment(os.environ)  # before the ranks' CUDA/NCCL start
+    for w in warnings:
+        logger.warning(w)
 
     def env_for(r: Rank) -> dict:
         return dict(
-            os.environ, RANK=str(r.rank), LOCAL_RANK=str(r.local_rank), WORLD_SIZE=str(world),
+            os.environ, **nccl, RANK=str(r.rank), LOCAL_RANK=str(r.local_rank), WORLD_SIZE=str(world),
             LOCAL_WORLD_SIZE=str(args.nproc_per_node), MASTER_ADDR=args.master_addr, MASTER_PORT=str(port),
             TORCHELASTIC_USE_AGENT_STORE="1", MECEFO_INCARNATION=str(r.incarnation), MECEFO_LAUNCHER="1",
             MECEFO_JOB_ID=job_id, MECEFO_MAX_RESTARTS=str(max_restarts),

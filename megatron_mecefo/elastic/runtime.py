@@ -35,7 +35,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
-from megatron_mecefo.elastic import groups, holds
+from megatron_mecefo.elastic import groups, holds, nccl_env
 from megatron_mecefo.elastic import store as job_store
 from megatron_mecefo.elastic.costs import CostMeter
 from megatron_mecefo.elastic.cover_plan import CoverPlan
@@ -205,6 +205,8 @@ class ElasticRuntime:
         """
         if self.incarnation == 0:
             self.step = step
+        self.events.write("started", incarnation=self.incarnation, backend=self._formation.backend,
+                          nccl_env=nccl_env.recorded())  # what this process's NCCL runs with (nccl_env.py)
         step = self._guarded(self._start)
         mark_started()
         return step
@@ -237,7 +239,10 @@ class ElasticRuntime:
             except Exception:
                 pass
         self.membership.stop()
-        groups.destroy_group(self.group)
+        try:
+            groups.destroy_group(self.group, self.cfg.collective_timeout_s)
+        except groups.AbortHung as e:  # leaving anyway
+            self.log.warning("%s", e)
         self.group = None
 
     # -- the step protocol ------------------------------------------------------------------------
@@ -305,7 +310,9 @@ class ElasticRuntime:
     def report_error(self, error: BaseException) -> None:
         """Latch a failure seen during the step; later collectives of the step are skipped."""
         if self._error is None:
-            self._error, self._error_time, self._error_wall = error, time.monotonic(), time.time()
+            # without its traceback: the frames hold the broken group, whose communicator must be
+            # freed at the regroup (groups.alive)
+            self._error, self._error_time, self._error_wall = error.with_traceback(None), time.monotonic(), time.time()
             self.log.warning("peer failure detected: %s", str(error).splitlines()[0][:200])
 
     # -- what the step's reduction (reduction.py) uses -------------------------------------------
@@ -406,8 +413,7 @@ class ElasticRuntime:
         t_detect = self._error_time or time.monotonic()
         self._detected_wall = self._error_wall or time.time()
         t0 = time.monotonic()
-        groups.destroy_group(self.group)
-        self.group = None
+        self._drop_group()
         self.log.warning("step %d aborted; agreeing on survivors", self.step)
         generation, candidates = self.generation + 1, self.members
         if self._pending is not None:  # the commit had admitted joiners: that generation, with them
@@ -419,6 +425,7 @@ class ElasticRuntime:
                  t_start: Optional[float] = None) -> None:
         """Form the next generation (formation.py) and install it."""
         t0 = t_start or time.monotonic()
+        self._drop_group()  # a rejoin replaces a healthy group: its communicator goes first
         new = self._formation.form(generation, candidates, self.step if self._has_state else None)
         if new.state is not None:
             self._load_state(new.state, new.step)
@@ -432,6 +439,7 @@ class ElasticRuntime:
             agreed_at=now - (t_done - new.t_agreed), regrouped_at=now,
             detect_to_recover_s=(t0 - detected_at) if detected_at else None,
             agree_s=new.t_agreed - t0, regroup_s=t_done - new.t_agreed, plan=new.plan.summary(self.k),
+            groups_alive=groups.alive(),  # 1: no old communicator is still referenced (its memory freed)
         )
         if self.generation > 0:
             runners = {f: rs[0] if len(rs) == 1 else list(rs) for f, rs in new.plan.runners().items()}
@@ -441,6 +449,19 @@ class ElasticRuntime:
                              new.plan.approximated)
         if self.grid.tp * self.grid.pp > 1:
             self.membership.watch_exclusion(self.generation, self._excluded)
+
+    def _drop_group(self) -> None:
+        """Abort this rank's data-parallel group (bounded: groups.AbortHung when NCCL's abort hangs)
+        and drop the reference, so its communicator is freed before the next one is built."""
+        group, self.group = self.group, None
+        groups.destroy_group(group, self.cfg.collective_timeout_s)
+
+    def _abort_hung(self, error: groups.AbortHung) -> None:
+        """The abort of the old group never returned: this process cannot be trusted to build another
+        communicator. Leave as a rank left out of a generation does (its launcher restarts it, it
+        rejoins; the others see it exit and go on without it)."""
+        self.events.write("retired", generation=self.generation, members=list(self.members), reason=str(error))
+        exit_now(RETIRED_EXIT_CODE, f"[mecefo] rank {self.rank}: {error}; leaving so the launcher restarts it")
 
     def _excluded(self, generation: int, members: list) -> None:
         """Heartbeat thread: a later generation was agreed without this rank (its replica lost a rank,
@@ -463,6 +484,8 @@ class ElasticRuntime:
     def _guarded(self, fn: Callable, *args: Any) -> Any:
         try:
             return fn(*args)
+        except groups.AbortHung as e:
+            self._abort_hung(e)
         except GaveUp as e:
             self._give_up(e)
             raise

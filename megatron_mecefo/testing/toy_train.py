@@ -59,8 +59,30 @@ def parse():
                    help="ZeRO-1: the Adam state sharded over the live replicas (elastic/zero.py, shard_redundancy)")
     p.add_argument("--skip-micro-batch", default=None, metavar="RANK:STEP",
                    help="a buggy loop: this rank leaves out its last micro-batch at this step")
+    p.add_argument("--abort-hangs", type=int, default=-1, metavar="RANK",
+                   help="this rank's first abort of a data-parallel group never returns (as NCCL's can)")
     MeCeFOConfig.add_cli_args(p)
     return p.parse_args()
+
+
+def hang_first_abort() -> None:
+    """The first abort of a built group gets a group whose abort never returns, through the real
+    bounded abort (groups.destroy_group); the real group is left to the process's exit."""
+    import threading
+    import types
+
+    from megatron_mecefo.elastic import groups
+
+    real = groups.destroy_group
+
+    def destroy(group, deadline_s=60.0):
+        if group is not None and not hung:
+            hung.append(group)
+            group = types.SimpleNamespace(abort=threading.Event().wait)
+        real(group, deadline_s)
+
+    hung = []
+    groups.destroy_group = destroy
 
 
 def reference(args):
@@ -107,6 +129,8 @@ def main():
     rank, world = env.rank, env.world
     if rank == args.late_rank:
         wait_for_generation_0(env)
+    if rank == args.abort_hangs and env.incarnation == 0:
+        hang_first_abort()
     cfg = MeCeFOConfig.from_args(args, {"log_dir": str(args.out)})
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)

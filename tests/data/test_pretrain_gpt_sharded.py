@@ -87,6 +87,9 @@ def test_sharded_run_equals_replicated_through_a_kill_after_the_commit_and_a_rej
     assert sorted(by_step) == list(range(8))
     assert all(len(hashes) == 1 for hashes in by_step.values()), "replicas hold bit-identical parameters every step"
     assert [e["step"] for e in events_of(logs, "gather_failed")] == [3]
+    for rank in range(3):  # the sharded state holds no old generation's group after a regroup
+        alive = [e["groups_alive"] for e in events_of(logs, "regroup", rank)]
+        assert len(alive) >= 2 and set(alive) == {1}, (rank, alive)
 
 
 def test_a_sharded_checkpoint_resumes_at_another_replica_count_and_without_mecefo(tmp_path, replicated):

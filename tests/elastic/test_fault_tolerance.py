@@ -153,6 +153,26 @@ def test_rejoin_after_restart(tmp_path, references):
     assert not any(r["degraded"] for r in records[STEPS - 1]), "covering stopped"
     events = [json.loads(l) for l in (tmp_path / "events_rank1.jsonl").read_text().splitlines()]
     assert any(e["event"] == "rejoined" for e in events)
+    for rank in range(3):  # an old generation's group is freed at each regroup, the rejoin's included
+        events = [json.loads(l) for l in (tmp_path / f"events_rank{rank}.jsonl").read_text().splitlines()]
+        alive = [e["groups_alive"] for e in events if e["event"] == "regroup"]
+        assert len(alive) >= 2 and set(alive) == {1}, (rank, alive)
+        # mecefo-launch gave every incarnation NCCL's recovery settings (nccl_env.py)
+        for e in (e for e in events if e["event"] == "started"):
+            assert e["nccl_env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2", e
+            assert e["nccl_env"]["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0", e
+
+
+def test_an_abort_that_never_returns_retires_the_rank(tmp_path, references):
+    """NCCL's abort can hang: rank 1's abort of the broken generation's group never returns. It
+    leaves after the bound (the collective timeout, 4 s), as a rank left out of a generation does,
+    and the others finish exactly without it and without the killed rank 3."""
+    proc, _ = launch(tmp_path, 4, "--mecefo-inject", "kill:3:3:allreduce", "--abort-hangs", "1")
+    check_run(tmp_path, 4, [0, 2], references[4], proc)
+    events = [json.loads(l) for l in (tmp_path / "events_rank1.jsonl").read_text().splitlines()]
+    (retired,) = [e for e in events if e["event"] == "retired"]
+    assert "did not return within 4 s" in retired["reason"], retired
+    assert regroups(tmp_path, 0)[-1]["members"] == [0, 2]
 
 
 def test_no_neighbour_left_checkpoints_and_exits(tmp_path):
