@@ -80,9 +80,11 @@ def run_and_kill(cmds, tmp_path, world, victim=1, env=None, timeout=300):
     return [(p.returncode, out.read_text(), err.read_text()) for p, (out, err) in zip(procs, outs)]
 
 
-def check_rejoined(tmp_path, results, world, victim=1):
+def check_rejoined(tmp_path, results, world, victim=1, async_error_handling="2"):
     """The job finished, every step ran the whole global batch with identical replicas, and the
-    killed rank came back (incarnation 1) and trained the steps after HOLD."""
+    killed rank came back (incarnation 1) and trained the steps after HOLD. Every training process
+    ran with NCCL's recovery settings (nccl_env.py) from its start: its own environment, recorded
+    in its "started" event (`async_error_handling`: the TORCH_NCCL_ASYNC_ERROR_HANDLING expected)."""
     for code, out, err in results:
         assert code == 0, out[-3000:] + err[-4000:]
     stdout = "".join(out for _, out, _ in results)
@@ -93,6 +95,13 @@ def check_rejoined(tmp_path, results, world, victim=1):
     mds.check_whole_and_identical(tmp_path / "logs", dp=world, k=2, iters=STEPS)
     events = [json.loads(l) for l in (tmp_path / "logs" / f"events_rank{victim}.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "rejoined"] == [HOLD + 1]
+    for rank in range(world):
+        started = [e for e in map(json.loads, (tmp_path / "logs" / f"events_rank{rank}.jsonl").read_text().splitlines())
+                   if e["event"] == "started"]
+        assert len(started) == (2 if rank == victim else 1), started
+        for e in started:
+            assert e["nccl_env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == async_error_handling, e
+            assert e["nccl_env"]["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0" and e["nccl_env"]["TORCH_NCCL_RETHROW_CUDA_ERRORS"] == "0"
 
 
 def test_deepspeed_launcher_survives_a_killed_rank_which_rejoins(tmp_path):
@@ -113,7 +122,9 @@ def test_deepspeed_launcher_survives_a_killed_rank_which_rejoins(tmp_path):
 def test_torchrun_survives_a_killed_rank_which_rejoins(tmp_path):
     """`torchrun --nproc-per-node 3 pretrain_gpt.py --mecefo ...`: the job uses torchrun's agent store
     (no second store on MASTER_PORT); rank 1's training process is SIGKILLed and rejoins. torchrun's
-    agent restarts every worker when one exits non-zero: the keeper does not."""
+    agent restarts every worker when one exits non-zero: the keeper does not. torchrun gives its
+    workers TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (a survivor torn down on an NCCL error): the keeper
+    replaces it with 2."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", *_args(tmp_path / "logs", 3)]
     results = run_and_kill([cmd], tmp_path, 3)
     check_rejoined(tmp_path, results, 3)
@@ -122,12 +133,16 @@ def test_torchrun_survives_a_killed_rank_which_rejoins(tmp_path):
 
 def test_ranks_started_by_hand_survive_a_killed_rank_which_rejoins(tmp_path):
     """Three `python pretrain_gpt.py` processes with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
-    set by hand (as a Slurm script would): rank 0's keeper starts the job's store."""
+    set by hand (as a Slurm script would): rank 0's keeper starts the job's store. The user's own
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=3 is kept, and reported as unsafe for recovery."""
     port = str(free_port())
-    env = [dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-           for r in range(3)]
+    env = [dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                TORCH_NCCL_ASYNC_ERROR_HANDLING="3") for r in range(3)]
     cmd = [sys.executable, *_args(tmp_path / "logs", 3)]
-    check_rejoined(tmp_path, run_and_kill([cmd] * 3, tmp_path, 3, env=env), 3)
+    results = run_and_kill([cmd] * 3, tmp_path, 3, env=env)
+    check_rejoined(tmp_path, results, 3, async_error_handling="3")
+    for rank, (_, _, err) in enumerate(results):
+        assert f"[mecefo-keeper rank {rank}] TORCH_NCCL_ASYNC_ERROR_HANDLING=3 is set: MeCeFO cannot recover" in err
 
 
 def _node_launch(node_rank, world_info, port, args):
