@@ -11,7 +11,8 @@ CPU unless CUDA is present. For the same data, side by side in one run:
              (skip attention backward, FFN recompute, low-rank FFN weight gradient)
 
 Measured per configuration: median forward+backward time (optimizer step excluded: it is the same
-for all), peak bytes saved for backward (saved-tensor hooks, parameters excluded), and the relative
+for all), peak bytes saved for backward (saved-tensor hooks, parameters excluded; on CUDA also
+`torch.cuda.max_memory_allocated`, whole and above what the case started with), and the relative
 error of the non-attention gradients ||g - g_exact|| / ||g_exact|| against exact A+B. Plus the
 low-rank weight-gradient kernel alone vs the exact one on the FFN matrices, and the SVD refresh.
 
@@ -242,12 +243,19 @@ def main(argv=None):
 
     results = {}
     for name, case in cases.items():
+        if args.device == "cuda":  # the device's own peak, beside the saved-tensor count
+            sync(args.device)
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
         peak = run_case(model, case, mb, params)  # also the warm-up (first covering call computes the bases)
         err = (torch.linalg.norm(flat_grads(model) - ref_default) / torch.linalg.norm(ref_default)).item()
         err_ffn = (torch.linalg.norm(ffn_grads(model) - ref_ffn) / torch.linalg.norm(ref_ffn)).item()
         if name == "normal":  # one micro-batch: no A+B gradient to compare with
             err = err_ffn = None
         results[name] = dict(saved_bytes=peak, rel_grad_error=err, rel_grad_error_ffn=err_ffn, times=[])
+        if args.device == "cuda":  # parameters and the bases held before the case: `base`
+            results[name].update(cuda_max_allocated=torch.cuda.max_memory_allocated(),
+                                 cuda_peak_over_base=torch.cuda.max_memory_allocated() - base)
         print(f"  prepared {name:28s} saved {peak / 2**20:8.1f} MiB  grad err {_fmt(err)}", flush=True)
 
     for rep in range(args.repeats):  # round-robin so drift hits every case alike
@@ -265,6 +273,8 @@ def main(argv=None):
         r["median_s"] = statistics.median(r["times"])
         r["time_ratio"] = r["median_s"] / normal_t
         r["mem_ratio"] = r["saved_bytes"] / normal_m
+        if "cuda_peak_over_base" in r:
+            r["cuda_peak_ratio"] = r["cuda_peak_over_base"] / results["normal"]["cuda_peak_over_base"]
 
     tokens = args.micro_batch * args.seq
     kernel_ratio, kernel_rows = lowrank_kernel_ratio(model, args, tokens)
@@ -286,6 +296,8 @@ def main(argv=None):
         "mem_ratio_covering_vs_normal": results[default_name]["mem_ratio"],
         "time_ratio_naive_vs_normal": results["naive"]["time_ratio"],
         "mem_ratio_naive_vs_normal": results["naive"]["mem_ratio"],
+        "cuda_peak_ratio_covering_vs_normal": results[default_name].get("cuda_peak_ratio"),
+        "cuda_peak_ratio_naive_vs_normal": results["naive"].get("cuda_peak_ratio"),
         "lowrank_dw_time_ratio": kernel_ratio,
         "rel_grad_error": results[default_name]["rel_grad_error"],
         "paper_faithful": summary(results, paper, paper),

@@ -113,3 +113,26 @@ def test_a_connect_that_never_returns_ends_at_the_deadline_or_a_peers_abort_and_
     group = _Group(connect_hangs=True, abort_hangs=True)  # and then its abort hangs too
     with pytest.raises(groups.AbortHung):
         groups.connect(group, "cuda:0", timedelta(seconds=0.2))
+
+
+def test_gpu_check_says_there_is_no_cuda_and_its_generation_loop_runs_on_gloo():
+    """scripts/gpu_check.py on a machine without CUDA: exit 0, saying so. Its generations case,
+    run through the parent's subprocess harness with gloo, builds, uses and aborts each generation's
+    group and frees it (the GPU run measures the same loop on NCCL)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    script = ROOT / "scripts" / "gpu_check.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "no CUDA" in proc.stdout, proc.stdout + proc.stderr
+    sys.path.insert(0, str(script.parent))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(script.parent))
+    result = gpu_check.run_case("generations", 120, extra=["--backend", "gloo", "--generations", "3"])
+    assert result["status"] == "ok", result
+    assert [r["generation"] for r in result["generations"]] == [0, 1, 2] and result["all_results_ok"]
+    assert result["groups_alive_last"] == 0 and result["thread_drift"] == 0, result
