@@ -71,10 +71,11 @@ def case_versions(args) -> dict:
     import torch
     import torch.distributed as dist
 
+    dotted = lambda v: ".".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)  # noqa: E731
     out = dict(torch=torch.__version__, cuda=torch.version.cuda, device=torch.cuda.get_device_name(0),
-               python=platform.python_version(), nccl_build=".".join(map(str, torch.cuda.nccl.version())))
+               python=platform.python_version(), nccl_build=dotted(torch.cuda.nccl.version()))
     try:
-        out["nccl_runtime"] = ".".join(map(str, dist.ProcessGroupNCCL.get_runtime_nccl_version()))
+        out["nccl_runtime"] = dotted(dist.ProcessGroupNCCL.get_runtime_nccl_version())
     except Exception as e:  # not in every build
         out["nccl_runtime"] = f"unknown ({type(e).__name__})"
     from megatron_mecefo.elastic import groups
@@ -178,18 +179,25 @@ def case_absent_peer(args) -> dict:
 
         threading.Thread(target=first_collective, daemon=True).start()
         out["returned_by_itself_in_3s"] = done.wait(3.0)
-        t_abort = time.monotonic()
-        try:
-            groups.destroy_group(pg, 20)
-            out["abort"] = f"returned in {time.monotonic() - t_abort:.1f} s"
-        except groups.AbortHung as e:
-            out["abort"] = f"hung: {e}"
+        out["abort"] = _timed_abort(pg, 20)
         out["collective_unblocked_after_abort"] = done.wait(10.0)
         out["collective_error"] = error[0] if error else None
         _note(out)
     pg = None  # the communicator goes (a blocked init thread may still hold it)
     out["new_group_works"] = _new_group_works(_store(), 100)
     return out
+
+
+def _timed_abort(group, deadline_s: float) -> str:
+    """The runtime's bounded abort of `group`: how long it took, or that it hung."""
+    from megatron_mecefo.elastic import groups
+
+    t0 = time.monotonic()
+    try:
+        groups.destroy_group(group, deadline_s)
+        return f"returned in {time.monotonic() - t0:.1f} s"
+    except groups.AbortHung as e:
+        return f"hung: {e}"
 
 
 def _new_group_works(store, generation: int) -> bool:
@@ -247,12 +255,7 @@ def case_watchdog(args) -> dict:
         out["dp_collective"] = "completed (no timeout seen)"
     except Exception as e:
         out["dp_collective"] = f"{type(e).__name__} after {time.monotonic() - t0:.1f} s: {str(e)[:160]}"
-    t_abort = time.monotonic()
-    try:
-        groups.destroy_group(dp, 30)
-        out["abort"] = f"returned in {time.monotonic() - t_abort:.1f} s"
-    except groups.AbortHung as e:
-        out["abort"] = f"hung: {e}"
+    out["abort"] = _timed_abort(dp, 30)
     del dp, work
     t_err = time.monotonic()
     while time.monotonic() - t_err < SURVIVE_S:  # the heartbeat monitor would end the process in here
