@@ -13,7 +13,7 @@ from megatron_mecefo.deepspeed_hook.checkpoint import load_checkpoint, restrict_
 from megatron_mecefo.deepspeed_hook.ds_config import (bf16_parameters, engine_clipping, overlap_bucket,
                                                       replica_ds_config, zero_stage)
 from megatron_mecefo.deepspeed_hook.engine import MeCeFOEngine
-from megatron_mecefo.deepspeed_hook.zero_checkpoint import (skip_zero_optimizer, write_zero_checkpoint, zero_files,
+from megatron_mecefo.deepspeed_hook.zero_checkpoint import (skip_zero_optimizer, tag_dir, write_zero_checkpoint, zero_files,
                                                             zero_state)
 from megatron_mecefo.elastic.attach import attach
 from megatron_mecefo.elastic.bootstrap import init_distributed, replica_groups_time_out
@@ -175,11 +175,9 @@ def _loaded_optimizer_state(engine, shards: Optional[ShardedOptimizer], load_dir
     gave up writes those), for the sharded state; None: the state
     DeepSpeed loaded (replicated), or none. Raises ValueError for a ZeRO checkpoint without the
     sharded state (its optimizer files would be left unread) or one of another model."""
-    latest = os.path.join(load_dir, "latest") if load_dir else None
-    if latest is None or not os.path.exists(latest):
+    tag = tag_dir(load_dir)
+    if tag is None:
         return None
-    with open(latest) as f:
-        tag = os.path.join(load_dir, f.read().strip())
     if shards is None:
         if zero_files(tag, engine.checkpoint_mp_rank):
             raise ValueError(f"{tag} holds a ZeRO optimizer state (DeepSpeed's zero_pp_rank_* files): resume it with "

@@ -34,7 +34,7 @@ import torch
 
 from megatron_mecefo.elastic.state_source import Piece, StateSource
 
-__all__ = ["zero_files", "zero_state", "skip_zero_optimizer", "write_zero_checkpoint"]
+__all__ = ["tag_dir", "zero_files", "zero_state", "skip_zero_optimizer", "write_zero_checkpoint"]
 
 ALIGNMENT = 2
 """DeepSpeed's stage 1/2 flat groups are padded to a multiple of this x the data-parallel size
@@ -162,8 +162,9 @@ def skip_zero_optimizer():
     original = DeepSpeedEngine.load_checkpoint
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, **kw):
-        if load_optimizer_states and not self.zero_optimization() and _tag_has_zero_files(load_dir, tag):
-            load_optimizer_states = False
+        if load_optimizer_states and not self.zero_optimization():
+            found = tag_dir(load_dir, tag)
+            load_optimizer_states = not (found and zero_files(found, self.checkpoint_mp_rank))
         try:
             return original(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states, **kw)
         except RuntimeError as e:
@@ -180,11 +181,13 @@ def skip_zero_optimizer():
         DeepSpeedEngine.load_checkpoint = original
 
 
-def _tag_has_zero_files(load_dir: str, tag: Optional[str]) -> bool:
+def tag_dir(load_dir: Optional[str], tag=None) -> Optional[str]:
+    """The directory of checkpoint `tag` under `load_dir` (None: the tag DeepSpeed's `latest` file
+    names); None when there is no such checkpoint."""
     if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.exists(latest):
-            return False
+        latest = os.path.join(load_dir, "latest") if load_dir else None
+        if latest is None or not os.path.exists(latest):
+            return None
         with open(latest) as f:
             tag = f.read().strip()
-    return bool(glob.glob(os.path.join(load_dir, str(tag), "*zero_pp_rank_*_optim_states.pt")))
+    return os.path.join(load_dir, str(tag))

@@ -74,33 +74,40 @@ def bucket_offsets(params: Sequence[torch.Tensor], *,
     return where, sizes
 
 
-class _BoxPlanner:
+def _box_planner(boxes):
     """A DefaultLoadPlanner asking for one box of each requested tensor (torch.distributed.checkpoint);
-    `boxes` None: the state dict's objects whole."""
+    `boxes` ({fqn: (offsets, sizes)}) None: the state dict's objects whole."""
+    return _box_planner_type()(boxes)
 
-    def __new__(cls, boxes):
-        from torch.distributed.checkpoint import DefaultLoadPlanner
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-        class Planner(DefaultLoadPlanner):
-            def create_local_plan(self):
-                if boxes is None:  # whole objects (BytesIO values)
-                    return super().create_local_plan()
-                items = []
-                for fqn, (offsets, sizes) in boxes.items():
-                    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-                    items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
-                return LoadPlan(items)
+@functools.lru_cache(maxsize=None)
+def _box_planner_type():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-            def lookup_tensor(self, index):  # the box itself: offsets are relative to it
-                return self.state_dict[index.fqn]
+    class BoxPlanner(DefaultLoadPlanner):
+        def __init__(self, boxes):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.boxes = boxes
 
-            def load_bytes(self, read_item, value: io.BytesIO) -> None:  # plain data only
-                self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        def create_local_plan(self):
+            if self.boxes is None:  # whole objects (BytesIO values)
+                return super().create_local_plan()
+            items = []
+            for fqn, (offsets, sizes) in self.boxes.items():
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+            return LoadPlan(items)
 
-        return Planner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        def lookup_tensor(self, index):  # the box itself: offsets are relative to it
+            return self.state_dict[index.fqn]
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:  # plain data only
+            self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+    return BoxPlanner
 
 
 class _Checkpoint:
@@ -118,7 +125,7 @@ class _Checkpoint:
 
         md = self.metadata[fqn]
         out = {fqn: torch.empty(tuple(sizes), dtype=md.properties.dtype)}
-        dcp.load(out, storage_reader=self.reader, planner=_BoxPlanner({fqn: (tuple(offsets), tuple(sizes))}),
+        dcp.load(out, storage_reader=self.reader, planner=_box_planner({fqn: (tuple(offsets), tuple(sizes))}),
                  no_dist=True)
         return out[fqn]
 
@@ -130,7 +137,7 @@ class _Checkpoint:
         if fqn not in self.metadata:
             raise ValueError(f"{self.directory}: no {key} in the checkpoint")
         out = {fqn: io.BytesIO()}
-        dcp.load(out, storage_reader=self.reader, planner=_BoxPlanner(None), no_dist=True)
+        dcp.load(out, storage_reader=self.reader, planner=_box_planner(None), no_dist=True)
         return out[fqn]
 
 
