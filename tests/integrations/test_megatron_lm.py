@@ -282,6 +282,10 @@ def test_torchrun_survives_a_killed_rank_which_rejoins(mlm_checkout, tmp_path):
     assert "rank 1 started (pid" in out.stdout and "incarnation 1" in out.stdout
     events = [json.loads(line) for line in (log_dir / "events_rank1.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "rejoined"] == [11]
+    # both incarnations of the patched checkout ran with NCCL's recovery settings, torchrun's 1 replaced
+    started = [e["nccl_env"] for e in events if e["event"] == "started"]
+    assert len(started) == 2 and all(e["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and e["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+                                     for e in started), started
     mds.check_whole_and_identical(log_dir, dp=3, k=2, iters=iters)
     assert mds.consumed(out.stdout)[iters] == iters * 6
 
