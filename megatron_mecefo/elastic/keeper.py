@@ -94,9 +94,7 @@ def keep(env: LaunchEnv, *, restart_failed_after: Optional[float], max_restarts:
 
     # before the training process's CUDA/NCCL start; under torchrun, its agent's default
     # TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (a survivor torn down on a communicator error) is replaced
-    nccl, warnings = nccl_env.nccl_environment(os.environ, nccl_env.agent_environ(os.environ))
-    for w in warnings:
-        log.warning(w)
+    nccl = nccl_env.for_children(log.warning)
 
     def env_for(r: Rank) -> dict:
         return dict(os.environ, MASTER_ADDR=host, MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="1",

@@ -106,9 +106,7 @@ def main(argv=None) -> int:
     logger.info("job %s: store on %s:%d", job_id, args.master_addr, port)
     ranks = [Rank(args.node_rank * args.nproc_per_node + i, i) for i in range(args.nproc_per_node)]
     max_restarts = args.max_restarts if args.restart_failed_after is not None else 0
-    nccl, warnings = nccl_env.nccl_environment(os.environ)  # before the ranks' CUDA/NCCL start
-    for w in warnings:
-        logger.warning(w)
+    nccl = nccl_env.for_children(logger.warning)  # before the ranks' CUDA/NCCL start
 
     def env_for(r: Rank) -> dict:
         return dict(

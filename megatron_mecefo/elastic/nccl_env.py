@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
-__all__ = ["SETTINGS", "nccl_environment", "agent_environ", "apply", "recorded"]
+__all__ = ["SETTINGS", "nccl_environment", "agent_environ", "for_children", "apply", "recorded"]
 
 _TRUE, _FALSE = {"1", "y", "yes", "t", "true"}, {"0", "n", "no", "f", "false"}  # c10d's getCvarBool
 
@@ -85,6 +85,15 @@ def agent_environ(environ: Mapping[str, str]) -> Optional[Dict[str, str]]:
             return {k: v for k, _, v in pairs}
     except OSError:
         return {}
+
+
+def for_children(log: Callable[[str], None]) -> Dict[str, str]:
+    """What a launcher (mecefo-launch, the keeper) adds to its training processes' environment,
+    from its own; unsafe values the user set are reported through `log`."""
+    add, warnings = nccl_environment(os.environ, agent_environ(os.environ))
+    for w in warnings:
+        log(w)
+    return add
 
 
 def apply(environ=None, log: Optional[Callable[[str], None]] = None) -> Dict[str, str]:

@@ -456,20 +456,17 @@ class ElasticRuntime:
         group, self.group = self.group, None
         groups.destroy_group(group, self.cfg.collective_timeout_s)
 
-    def _abort_hung(self, error: groups.AbortHung) -> None:
-        """The abort of the old group never returned: this process cannot be trusted to build another
-        communicator. Leave as a rank left out of a generation does (its launcher restarts it, it
-        rejoins; the others see it exit and go on without it)."""
-        self.events.write("retired", generation=self.generation, members=list(self.members), reason=str(error))
-        exit_now(RETIRED_EXIT_CODE, f"[mecefo] rank {self.rank}: {error}; leaving so the launcher restarts it")
+    def _retire(self, generation: int, members: list, why: str, **record: Any) -> None:
+        """Leave the job at once, from any thread: the launcher restarts this rank and it rejoins
+        (its replica whole); the others see it exit and go on without it. For a rank left out of
+        a generation (`_excluded`: whatever it waits on may never return) and one whose group
+        abort never returned (groups.AbortHung: it cannot be trusted to build another communicator)."""
+        self.events.write("retired", generation=generation, members=members, **record)
+        exit_now(RETIRED_EXIT_CODE, f"[mecefo] rank {self.rank}: {why}; leaving so the launcher restarts it")
 
     def _excluded(self, generation: int, members: list) -> None:
-        """Heartbeat thread: a later generation was agreed without this rank (its replica lost a rank,
-        or it was presumed failed). Whatever this rank waits on now may never return: leave at once;
-        the launcher restarts it and the replica rejoins whole."""
-        self.events.write("retired", generation=generation, members=members)
-        exit_now(RETIRED_EXIT_CODE, f"[mecefo] rank {self.rank}: generation {generation} was agreed without this "
-                 f"rank (members {members}): its replica is out of the job; leaving so the launcher restarts it")
+        self._retire(generation, members, f"generation {generation} was agreed without this rank (members "
+                     f"{members}): its replica is out of the job")
 
     def _load_state(self, payload: bytes, step: int) -> None:
         user = decode_state(payload, step=step, rank=self.rank)
@@ -485,7 +482,7 @@ class ElasticRuntime:
         try:
             return fn(*args)
         except groups.AbortHung as e:
-            self._abort_hung(e)
+            self._retire(self.generation, list(self.members), str(e), reason=str(e))
         except GaveUp as e:
             self._give_up(e)
             raise
