@@ -114,6 +114,12 @@ def training_state(module: StateHooks, optimizer, scheduler=None, counters: Opti
         module[1](state["module"])
         optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state["scheduler"] is not None:
+            if hasattr(scheduler, "num_steps"):
+                # Megatron's OptimizerParamScheduler adds the loaded count to its own
+                # (`step(increment=num_steps)`); a restarted rank that loaded --load before it
+                # joined would count the checkpoint's steps twice (its learning rate then decays
+                # too early): the peer's count replaces them
+                scheduler.num_steps = 0
             scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         if counters:

@@ -147,7 +147,7 @@ def install_hooks(initialize, training, hooks, *, helpers_dir: Callable[[], str]
     training.evaluate = wrap_evaluate(training.evaluate)
     training.save_checkpoint = lead_only_save(training.save_checkpoint, hooks.STATE)
     record = hooks.STATE.record = Record(hooks.STATE, training, make_tb_writer=lambda: tensorboard_writer(get_args()))
-    training.training_log = record.wrap(training.training_log)
+    training.training_log = record.wrap(training.training_log, carries=True)
     training.evaluate_and_print_results = record.wrap(training.evaluate_and_print_results)
     training._mecefo_installed = True
 
@@ -266,14 +266,21 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def arg_counters(args, keys) -> tuple:
+def arg_counters(args, keys, record: Optional[Record] = None) -> tuple:
     """(get, set) of the training loop's counters kept on Megatron's `args` (what a rejoining rank
-    receives with the state): plain values of the `keys` that `args` has."""
+    receives with the state): plain values of the `keys` that `args` has, and the sums and flags of
+    upstream's log (`record`'s Carry: a rejoining rank's log lines then are the others')."""
 
     def get():
-        return {key: getattr(args, key) for key in keys if hasattr(args, key)}
+        values = {key: getattr(args, key) for key in keys if hasattr(args, key)}
+        if record is not None:
+            values["log"] = record.carry.state()
+        return values
 
     def set_(values):
+        values = dict(values)
+        if record is not None:
+            record.carry.receive(values.pop("log", None))
         for key, value in values.items():
             setattr(args, key, value)
 

@@ -12,19 +12,33 @@ same on every replica. What it does not handle: a lead that dies between printin
 recording it (a window of microseconds) makes the line appear twice; W&B keeps upstream's single
 run on the job's last rank (a run per replica would split the dashboard), so it pauses while that
 rank is down, as without MeCeFO.
+
+Why every replica's line is the line upstream prints: each replica's `training_log` gets the job's
+loss (the step's all-reduced statistics), the same counters (iteration, consumed samples, learning
+rate: the same scheduler) and the same grad norm, and adds the loss to the sums upstream's `train()`
+keeps over the log interval in locals (`total_loss_dict`, `report_memory_flag`, Megatron-LM's
+`is_first_iteration`). Replicas that started together keep equal sums. A restarted rank starts
+`train()` afresh, so its sums would start empty, its first line would not reset them (Megatron-LM)
+and it would report memory again: if it later led, its lines would differ from upstream's. It
+receives the others' sums and flags with the training state instead (`Carry`, sent with the
+counters) and applies them at its first call. Upstream's own first line after a load is kept as
+upstream prints it: Megatron-LM does not reset its sums on the first iteration of `train()`, so
+with `--log-interval 1` the second line after a `--load` is the mean of two iterations, in an
+unpatched resume as with `--mecefo`; Megatron-DeepSpeed resets every time.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import io
 import json
 import sys
 import time
-from typing import Any, Callable, Deque, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-__all__ = ["Record", "Recorder"]
+__all__ = ["Record", "Recorder", "Carry"]
 
 _MARK = "record/emitted"
 _KEEP = 64  # entries kept by a non-lead replica: a dead lead is replaced within a step or two
@@ -41,6 +55,50 @@ class Recorder:
             self._calls.append((self._kind, name, args, kwargs))
 
         return record
+
+
+class Carry:
+    """What upstream's `train()` keeps from one `training_log` call to the next in its locals: the
+    sums of the log interval (`total_loss_dict`), `report_memory_flag` and, in Megatron-LM,
+    `is_first_iteration`. `state()` is plain data (sent to a rejoining rank with the counters);
+    `receive()` keeps it for the rank's first call, where `bind()` puts it into the arguments."""
+
+    def __init__(self) -> None:
+        self._sums: Optional[dict] = None
+        """upstream's `total_loss_dict` (the same dict on every call of one `train()`)."""
+        self._report_memory: Optional[bool] = None
+        self._received: Optional[Dict[str, Any]] = None
+
+    def state(self) -> Dict[str, Any]:
+        if self._sums is None:  # no line yet: a joiner starts as upstream's train() does
+            return {}
+        return {"sums": {k: (v.item() if hasattr(v, "item") else v) for k, v in self._sums.items()},
+                "report_memory": self._report_memory}
+
+    def receive(self, state: Optional[Dict[str, Any]]) -> None:
+        self._received = state or None
+
+    def bind(self, signature: inspect.Signature, a: tuple, kw: dict) -> Tuple[tuple, dict]:
+        """`training_log`'s arguments, with what a rejoining rank received put in at its first call."""
+        bound = signature.bind(*a, **kw)
+        self._sums = bound.arguments["total_loss_dict"]
+        got, self._received = self._received, None
+        if got:
+            import torch
+
+            near = [v for v in list(bound.arguments["loss_dict"].values()) + list(self._sums.values())
+                    if torch.is_tensor(v)]
+            device = near[0].device if near else None
+            for key, value in got["sums"].items():  # upstream: a float tensor per loss, ints per count
+                self._sums[key] = torch.tensor([value], dtype=torch.float, device=device) \
+                    if isinstance(value, float) else value
+            bound.arguments["report_memory_flag"] = got["report_memory"]
+            if "is_first_iteration" in signature.parameters:  # the others have logged a line
+                bound.arguments["is_first_iteration"] = False
+        return bound.args, bound.kwargs
+
+    def returned(self, report_memory_flag) -> None:
+        self._report_memory = bool(report_memory_flag)
 
 
 class Record:
@@ -62,17 +120,27 @@ class Record:
         self._was_lead = False
         self._tb = None
         self._getters: Optional[dict] = None
+        self.carry = Carry()
+        """upstream's log sums and flags: what a rejoining rank receives (`Carry`)."""
 
     # -- wrapping ---------------------------------------------------------------------------------
 
-    def wrap(self, original: Callable) -> Callable:
+    def wrap(self, original: Callable, *, carries: bool = False) -> Callable:
+        """`original` recorded; `carries`: it is upstream's `training_log` (its sums and flags are
+        the `Carry`)."""
+        signature = inspect.signature(original) if carries else None
+
         def logged(*a, **kw):
             if not self.state.active or self.state.driver is None:
                 return original(*a, **kw)
+            if carries:
+                a, kw = self.carry.bind(signature, a, kw)
             key = self._next_key()
             text, calls = io.StringIO(), []
             with contextlib.redirect_stdout(text), self._recording(calls):
                 out = original(*a, **kw)
+            if carries:
+                self.carry.returned(out)
             self._add(key, text.getvalue(), calls)
             return out
 

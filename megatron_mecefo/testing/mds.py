@@ -189,6 +189,75 @@ def assert_same_run(orig, patched, mecefo, iters: int = 10, evals=(5, 10)) -> No
         assert math.isclose(v_got[it], v_want[it], rel_tol=1e-5), (it, v_got[it], v_want[it])
 
 
+_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
+LINE_FIELDS = ("consumed samples", "consumed tokens", "skipped samples", "learning rate", "global batch size",
+               "lm loss", "loss scale", "grad norm", "num zeros", "params norm", "number of skipped iterations",
+               "number of nan iterations")
+"""The fields of upstream's iteration line that a run's record must reproduce (not its timings)."""
+
+
+def log_lines(out: str) -> Dict[int, Dict[str, str]]:
+    """iteration -> {field: printed value} of upstream's iteration lines (each iteration once)."""
+    found: Dict[int, Dict[str, str]] = {}
+    for line in out.splitlines():
+        m = _LINE.search(line)
+        if not m:
+            continue
+        it = int(m.group(1))
+        assert it not in found, f"iteration {it} logged twice (more than one replica logs)"
+        parts = (p.split(":", 1) for p in m.group(2).split("|") if ":" in p)
+        found[it] = {k.strip(): v.strip() for k, v in parts if k.strip() in LINE_FIELDS}
+    return found
+
+
+def resumed_lines(every: Dict[int, Dict[str, str]], loaded: int, *, log_interval: int = 1,
+                  first_line_keeps_sums: bool = True) -> Dict[int, Dict[str, str]]:
+    """The lines upstream prints when it resumes at iteration `loaded`, from the lines of a run that
+    logged `every` iteration (`--log-interval 1`, uninterrupted): `training_log` prints at each
+    multiple of the interval the mean of the losses summed since its last print and the counters of
+    that iteration; Megatron-LM (`first_line_keeps_sums`) also prints the first iteration of
+    `train()` and does not reset its sums there (its `is_first_iteration`)."""
+    want, sums, count = {}, {}, 0
+    for it in sorted(i for i in every if i > loaded):
+        line = every[it]
+        for key in ("lm loss",):
+            if key in line:
+                sums[key] = sums.get(key, 0.0) + float(line[key])
+        count += 1
+        first = it == loaded + 1 and first_line_keeps_sums
+        if it % log_interval == 0 or first:
+            want[it] = dict(line, **{k: f"{v / count:.6E}" for k, v in sums.items()})
+            if not first:
+                sums, count = {}, 0
+    return want
+
+
+def assert_lines(out: str, want: Dict[int, Dict[str, str]], *, loss_rel: float = 1e-4) -> None:
+    """The iteration lines in `out` are `want`'s: the same iterations, and in each the same fields
+    with the same values; the loss to `loss_rel` (float summation order over several replicas
+    against one rank), the grad norm (printed to 3 decimals) to 2e-3, the rest as printed."""
+    got = log_lines(out)
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for it, line in want.items():
+        assert sorted(got[it]) == sorted(line), (it, got[it], line)
+        for key, value in line.items():
+            mine = got[it][key]
+            if key == "lm loss":
+                ok = math.isclose(float(mine), float(value), rel_tol=loss_rel, abs_tol=1e-6)
+            elif key == "grad norm":
+                ok = abs(float(mine) - float(value)) <= 2e-3
+            elif key == "learning rate":
+                ok = math.isclose(float(mine), float(value), rel_tol=1e-6)
+            else:
+                ok = mine == value
+            assert ok, f"iteration {it}, {key}: {mine} (want {value})"
+
+
+def memory_reports(out: str) -> List[int]:
+    """The iterations after which upstream's memory report was printed."""
+    return [int(m.group(1)) for m in re.finditer(r"\] \(after (\d+) iterations\) memory \(MB\)", out)]
+
+
 def step_records(log_dir: Path):
     """step -> the records of every rank that committed it (steps_rank*.jsonl)."""
     steps = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ pytestmark = [pytest.mark.dist]
 
 EXACT = ["--attention-dropout", "0", "--hidden-dropout", "0", "--mecefo", "--no-mecefo-skip-attention",
          "--no-mecefo-lowrank-ffn", "--mecefo-recompute-ffn", "never", "--mecefo-log-param-hash"]
+NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 
 
 def test_no_failure_matches_the_unpatched_run(mlm_checkout, tmp_path):
@@ -442,36 +444,84 @@ def test_the_record_survives_the_lead(mlm_checkout, tmp_path, phase):
     mds.assert_recorded_once(out, killed="rank 0: kill at step 4", iters=8, evaluations={5: 1, 8: 2})
 
 
-@pytest.mark.fault
-@pytest.mark.parametrize("layout", ["dp_reshardable", "fully_reshardable"])
-def test_entering_mecefo_from_upstreams_distributed_optimizer_checkpoint(mlm_checkout, tmp_path, layout):
-    """A run in progress enters MeCeFO: upstream's unpatched script with --use-distributed-optimizer
-    on one rank saves at iteration 6 (torch_dist, the optimizer state in its default
-    "dp_reshardable" layout or "fully_reshardable"); the patched script with --mecefo on 3 replicas
-    loads it (model, scheduler, RNG and counters by upstream; moments, step counts and fp32
-    parameters from upstream's layout into MeCeFO's shards) and goes on to 12 through a kill at
-    step 8. Its losses are those of upstream's own uninterrupted run (exact mode)."""
-    no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
-    ckpt = tmp_path / "ckpt"
-    fully = ["--dist-ckpt-optim-fully-reshardable"] if layout == "fully_reshardable" else []
-    upstream = mlm.torchrun(mlm_checkout, 1, mlm.args(dp=1, micro_batches=6, iters=12, extra=no_dropout + fully + [
-        "--use-distributed-optimizer", "--save", str(ckpt), "--save-interval", "6"]), script="pretrain_gpt_upstream.py",
-        timeout=300)
-    assert upstream.returncode == 0, upstream.stdout[-4000:]
-    assert f"distributed optimizer sharded state of type {layout}" in upstream.stdout
+def _upstream_saving_at_6(mlm_checkout, shared_run, layout):
+    """Upstream's unpatched script on one rank, 12 iterations, saving at 6 (torch_dist; the optimizer
+    "replicated", or --use-distributed-optimizer in its "dp_reshardable" or "fully_reshardable"
+    layout): (the run, its checkpoint of iteration 6). Shared by the tests that enter from it."""
+    flags = {"replicated": [], "dp_reshardable": ["--use-distributed-optimizer"],
+             "fully_reshardable": ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]}[layout]
+    ckpt = Path(tempfile.mkdtemp(prefix=f"up-{layout}-"))
+    args = mlm.args(dp=1, micro_batches=6, iters=12, extra=NO_DROPOUT + flags + [
+        "--save", str(ckpt), "--save-interval", "6"])
+    run = shared_run(f"mlm-upstream-{layout}-saving-at-6", args, lambda: mlm.torchrun(
+        mlm_checkout, 1, args, script="pretrain_gpt_upstream.py", timeout=300))
+    assert run.returncode == 0, run.stdout[-4000:]
+    ckpt = Path(run.args[run.args.index("--save") + 1])  # the first run's, when shared
+    if layout != "replicated":
+        assert f"distributed optimizer sharded state of type {layout}" in run.stdout
     (ckpt / "latest_checkpointed_iteration.txt").write_text("6")
-    entered = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + [
-        "--use-distributed-optimizer", "--load", str(ckpt), "--mecefo-inject", "kill:1:8"]), timeout=300)
+    return run, ckpt
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("layout,faults", [
+    ("dp_reshardable", []),
+    ("dp_reshardable", ["kill:2:7:backward"]),  # iteration 8: the line that holds two iterations' sum
+    ("fully_reshardable", ["kill:1:9"]),  # several iterations later
+    ("replicated", ["kill:1:9"]),
+], ids=["dp_reshardable-no-kill", "dp_reshardable-kill-at-8", "fully_reshardable-kill-at-10", "replicated-kill-at-10"])
+def test_entering_mecefo_from_upstreams_checkpoint_logs_upstreams_lines(mlm_checkout, tmp_path, shared_run, layout,
+                                                                        faults):
+    """A run in progress enters MeCeFO: upstream's unpatched script on one rank saves at iteration 6
+    (the optimizer replicated, or --use-distributed-optimizer in either layout); the patched script
+    with --mecefo on 3 replicas loads it (model, scheduler, RNG and counters by upstream; a
+    distributed optimizer's moments, step counts and fp32 parameters from upstream's layout into
+    MeCeFO's shards) and goes on to 12, without a failure or through a kill. Every logged line is
+    the one upstream logs after the same load (exact mode): loss, grad norm, consumed samples,
+    learning rate, skipped and nan counts, and the memory report after the first two iterations.
+    Upstream's own lines after a load are its uninterrupted run's except that the first line does
+    not reset its sums (iteration 8 prints the mean of 7 and 8): its resume of the replicated
+    checkpoint shows it (a resume of its distributed optimizer needs Apex or Transformer Engine)."""
+    sharded = layout != "replicated"
+    upstream, ckpt = _upstream_saving_at_6(mlm_checkout, shared_run, layout)
+    want = mds.resumed_lines(mds.log_lines(upstream.stdout), 6)
+    if not sharded:  # upstream's own resume prints exactly these lines
+        resumed = mlm.torchrun(mlm_checkout, 1, mlm.args(dp=1, micro_batches=6, iters=12, extra=NO_DROPOUT + [
+            "--load", str(ckpt), "--exit-interval", "8"]), script="pretrain_gpt_upstream.py", timeout=300)
+        assert resumed.returncode == 0, resumed.stdout[-4000:]
+        assert mds.log_lines(resumed.stdout) == {it: want[it] for it in (7, 8)}
+        assert mds.memory_reports(resumed.stdout) == [7, 8]
+    inject = [a for f in faults for a in ("--mecefo-inject", f)]
+    entered = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + inject + [
+        "--load", str(ckpt), "--mecefo-log-dir", str(tmp_path / "log")] + (
+        ["--use-distributed-optimizer"] if sharded else [])), timeout=300)
     assert entered.returncode == 0, entered.stdout[-4000:]
-    assert "generation 1: members [0, 2]" in entered.stdout
-    want, got = mds.losses(upstream.stdout), mds.losses(entered.stdout)
-    assert sorted(got) == list(range(7, 13))
-    # upstream's first log line after a resume does not reset its sums (training_log's
-    # is_first_iteration): iteration 8 prints the mean of 7 and 8
-    assert got[7] == pytest.approx(want[7], rel=1e-4, abs=1e-6)
-    assert got[8] == pytest.approx((want[7] + want[8]) / 2, rel=1e-4, abs=1e-6)
-    for it in range(9, 13):
-        assert got[it] == pytest.approx(want[it], rel=1e-4, abs=1e-6), it
+    if faults:
+        victim = int(faults[0].split(":")[1])
+        assert f"generation 1: members {sorted({0, 1, 2} - {victim})}" in entered.stdout
+    mds.assert_lines(entered.stdout, want)
+    assert mds.memory_reports(entered.stdout) == [7, 8]
+
+
+@pytest.mark.fault
+def test_a_lead_killed_after_the_load_rejoins_and_logs_upstreams_lines(mlm_checkout, tmp_path, shared_run):
+    """The lead replica (rank 0) is SIGKILLed in the first iteration after entering from upstream's
+    distributed-optimizer checkpoint; replica 1 prints its lines; rank 0 is restarted, rejoins and
+    leads again. With --log-interval 2 each line is the mean of two iterations, and a restarted
+    rank's `train()` starts its sums and flags afresh: it receives the others' with the state (the
+    record's Carry), so its lines are upstream's (no line at iteration 9 or a lone iteration's loss
+    at 10, no second memory report)."""
+    upstream, ckpt = _upstream_saving_at_6(mlm_checkout, shared_run, "fully_reshardable")
+    log_dir = tmp_path / "log"
+    entered = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + [
+        "--use-distributed-optimizer", "--load", str(ckpt), "--log-interval", "2", "--mecefo-log-dir", str(log_dir),
+        "--mecefo-inject", "kill:0:6:forward", "--mecefo-inject", "hold:0:8"]), restart_after=1, timeout=300)
+    assert entered.returncode == 0, entered.stdout[-6000:]
+    assert "generation 1: members [1, 2]" in entered.stdout
+    events = [json.loads(line) for line in (log_dir / "events_rank0.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "rejoined"] == [9]
+    mds.assert_lines(entered.stdout, mds.resumed_lines(mds.log_lines(upstream.stdout), 6, log_interval=2))
+    assert mds.memory_reports(entered.stdout) == [7, 8]
 
 
 @pytest.mark.fault

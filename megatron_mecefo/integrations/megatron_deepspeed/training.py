@@ -159,7 +159,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         engine = model[0]
 
         counters = arg_counters(args, ("iteration", "consumed_train_samples", "consumed_valid_samples",
-                                       "consumed_train_tokens"))
+                                       "consumed_train_tokens"), STATE.record)
 
         def save():
             from megatron.checkpointing import save_checkpoint
@@ -179,6 +179,10 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
                                        load_optimizer=not args.no_load_optim, overlap_bucket=overlap,
                                        extra_state=counters, module_state=module_state)
         STATE.sharded = sharded
+        if sharded and not hasattr(engine.optimizer, "cur_scale"):
+            # upstream's log line reads the loss scale of DeepSpeed's ZeRO optimizer (1.0 outside
+            # fp16); the engine steps a plain optimizer here: the line keeps upstream's field
+            engine.optimizer.cur_scale = 1.0
         if sharded and args.save:
             STATE.save_shards = lambda iteration: STATE.driver.save_shards(args.save)
         if STATE.lead() and not STATE.driver.runtime.rejoined:

@@ -156,7 +156,7 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
                 check_lowrank_rank(model[0], cfg.rank, key="--mecefo-rank")
 
         counters = arg_counters(args, ("iteration", "consumed_train_samples", "consumed_valid_samples",
-                                       "skipped_train_samples", "num_floating_point_operations_so_far"))
+                                       "skipped_train_samples", "num_floating_point_operations_so_far"), STATE.record)
 
         def save():  # the give-up checkpoint: the holders wrote their shards (stamp ""), gathered here
             around = None
