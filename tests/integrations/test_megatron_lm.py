@@ -20,6 +20,21 @@ EXACT = ["--attention-dropout", "0", "--hidden-dropout", "0", "--mecefo", "--no-
          "--no-mecefo-lowrank-ffn", "--mecefo-recompute-ffn", "never", "--mecefo-log-param-hash"]
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 
+BF16_LOSS_REL = 5e-5
+"""How far a sharded bf16 run's loss may lie from the replicated run's (relative). Where the two
+paths part is the gradient norm: upstream's replicated optimizer takes the norm of each whole
+tensor's norm, the sharded state sums the squares of its ranges per shard and all-reduces them, so
+the clip coefficient differs in its last bits (about 1e-7). Every fp32 master then moves by a
+last-bit amount too, and a master that lies that close to a bf16 rounding boundary gives a bf16
+parameter one bf16 step (2^-8) away: from there the runs differ as two bf16 runs with different
+roundings do, by an amount that depends on the CPU's kernels. Measured side by side on 2026-12-04
+(12 iterations; docs/testing.md): the replicated run against itself with --clip-grad one float32
+step above 1.0 (the same last-bit change, no sharding) parts at iteration 9 by up to 6.1e-6; the
+replicated run with torch's AVX2 kernels against AVX-512 by up to 4.7e-6; sharded against
+replicated by up to 7.0e-6 (AVX-512) and 8.6e-6 (AVX2), and 1.4e-5 on an AVX2-only EPYC. 5e-5 is
+3.5x the largest; skipping the clip or rounding the masters to bf16 moves the loss by more than
+1e-4 from iteration 4 on."""
+
 
 def test_no_failure_matches_the_unpatched_run(mlm_checkout, tmp_path):
     """Without --mecefo the patched script is upstream's (same losses, bit for bit, under torchrun);
@@ -90,12 +105,9 @@ def test_distributed_optimizer_is_sharded_through_a_kill_a_rejoin_and_a_hang(mlm
     resumed = mlm.mecefo_launch(mlm_checkout, 2, mlm.args(dp=2, micro_batches=3, iters=12, extra=EXACT + [
         "--use-distributed-optimizer", "--load", str(ckpt)]))
     assert resumed.returncode == 0, resumed.stdout[-4000:]
-    after = mds.losses(resumed.stdout)
-    assert sorted(after) == [11, 12]
-    assert after[11] == pytest.approx(want[11], rel=1e-5, abs=1e-6)
-    # upstream's first log line after a resume does not reset its sums (training_log's
-    # is_first_iteration): iteration 12 prints the mean of 11 and 12
-    assert after[12] == pytest.approx((want[11] + want[12]) / 2, rel=1e-5, abs=1e-6)
+    # every line is what upstream prints after a load (the first does not reset its sums:
+    # iteration 12 prints the mean of 11 and 12), from the fault-free run's lines
+    mds.assert_lines(resumed.stdout, mds.resumed_lines(mds.log_lines(free.stdout), 10), loss_rel=1e-5)
     refused = mlm.mecefo_launch(mlm_checkout, 1, mlm.args(dp=1, iters=12, extra=["--mecefo", "--load", str(ckpt)]),
                                 timeout=120)
     assert refused.returncode == 2, refused.stdout[-3000:]
@@ -129,9 +141,8 @@ def _sharded_kill_and_rejoin(checkout, flags, ckpt, log_dir):
 def test_bf16_distributed_optimizer_keeps_the_fp32_masters_only_in_the_shards(mlm_checkout, tmp_path):
     """`--bf16 --use-distributed-optimizer` with 3 replicas: upstream's optimizer holds no fp32 copies
     (the masters live in the held ranges: 2/3 of the replicated 12 bytes per parameter on each
-    rank). Its losses are the replicated mixed-precision run's: bit for bit while the clip
-    coefficient is the same, then within the bf16 rounding of a last-bit difference in the
-    gradient norm (summed per shard). A kill after step 4's commit and a rejoin after step 8 give
+    rank). Its losses are the replicated mixed-precision run's within bf16's rounding of a last-bit
+    difference in the gradient norm (BF16_LOSS_REL). A kill after step 4's commit and a rejoin after step 8 give
     the sharded fault-free losses; the checkpoint carries the masters as upstream's fp32 "param", and `--load`
     on 2 replicas continues with them."""
     bf16 = EXACT + ["--bf16"]
@@ -148,14 +159,14 @@ def test_bf16_distributed_optimizer_keeps_the_fp32_masters_only_in_the_shards(ml
     assert float(line.group(2)) == pytest.approx(params * 12 / 2**20, abs=0.01)  # masters in the state: 4 + 8 bytes
     want, got = mds.losses(replicated.stdout), mds.losses(free.stdout)
     assert sorted(got) == sorted(want) == list(range(1, 13))
-    assert [got[it] for it in (1, 2, 3)] == [want[it] for it in (1, 2, 3)]
-    for it in want:  # not clipping, or skipping the clip, moves the loss by > 1e-4 from iteration 4 on
-        assert got[it] == pytest.approx(want[it], rel=1e-5 if it <= 8 else 5e-5), it
+    assert got[1] == want[1]  # before any update: the same bf16 model, the same forward
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=BF16_LOSS_REL), it
     ckpt, log_dir = tmp_path / "ckpt", tmp_path / "log"
     killed = _sharded_kill_and_rejoin(mlm_checkout, bf16, ckpt, log_dir)
     sharded_free, after_kill = got, mds.losses(killed.stdout)
-    for it in sharded_free:
-        assert after_kill[it] == pytest.approx(sharded_free[it], rel=1e-5, abs=1e-6), it
+    for it in sharded_free:  # re-sharded over 2 replicas, then 3: other per-shard sums of the norm
+        assert after_kill[it] == pytest.approx(sharded_free[it], rel=BF16_LOSS_REL), it
     mds.check_whole_and_identical(log_dir, dp=3, k=2, iters=12)
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -168,7 +179,7 @@ def test_bf16_distributed_optimizer_keeps_the_fp32_masters_only_in_the_shards(ml
     resumed = mlm.mecefo_launch(mlm_checkout, 2, mlm.args(dp=2, micro_batches=3, iters=12, extra=bf16 + [
         "--use-distributed-optimizer", "--load", str(ckpt)]))
     assert resumed.returncode == 0, resumed.stdout[-4000:]
-    assert mds.losses(resumed.stdout)[11] == pytest.approx(sharded_free[11], rel=1e-5, abs=1e-6)
+    assert mds.losses(resumed.stdout)[11] == pytest.approx(sharded_free[11], rel=BF16_LOSS_REL)
 
 
 @pytest.mark.fault
@@ -570,8 +581,5 @@ def test_leaving_mecefo_writes_upstreams_distributed_optimizer_checkpoint(mlm_ch
     resumed = mlm.mecefo_launch(mlm_checkout, 2, mlm.args(dp=2, micro_batches=3, iters=12, extra=EXACT + [
         "--use-distributed-optimizer", "--load", str(ours)]), timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
-    want_losses, got_losses = mds.losses(upstream.stdout), mds.losses(resumed.stdout)
-    assert sorted(got_losses) == list(range(7, 13))
-    assert got_losses[8] == pytest.approx((want_losses[7] + want_losses[8]) / 2, rel=1e-4, abs=1e-6)
-    for it in [7] + list(range(9, 13)):
-        assert got_losses[it] == pytest.approx(want_losses[it], rel=1e-4, abs=1e-6), it
+    mds.assert_lines(resumed.stdout, mds.resumed_lines(mds.log_lines(upstream.stdout), 6))
+    assert mds.memory_reports(resumed.stdout) == [7, 8]

@@ -6,6 +6,7 @@ the lowest replica left."""
 import types
 
 import pytest
+import torch
 
 from megatron_mecefo.elastic.topology import CoverMap, Grid
 from megatron_mecefo.integrations.record import Record
@@ -97,3 +98,51 @@ def test_the_lowest_replica_left_prints_the_end_of_a_dead_lead(capsys):
     store2.set("record/emitted/t0p0", "[7, 0]")
     other.finish(timeout_s=0.3)  # replica 1 is alive and lower: replica 2 stays quiet
     assert capsys.readouterr().out == ""
+
+
+def _upstream_training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                           skipped_iter, grad_norm, params_norm, num_zeros_in_grad, is_first_iteration=False):
+    """Megatron-LM's accumulation, log interval 2: sums per interval, the first line keeps them."""
+    total_loss_dict["advanced iterations"] = total_loss_dict.get("advanced iterations", 0) + 1
+    for key, value in loss_dict.items():
+        total_loss_dict[key] = total_loss_dict.get(key, torch.tensor([0.0])) + value
+    if iteration % 2 == 0 or is_first_iteration:
+        mean = total_loss_dict["lm loss"].item() / total_loss_dict["advanced iterations"]
+        print(f" iteration {iteration} | lm loss: {mean:.6E} |" + (" memory" if report_memory_flag else ""))
+        report_memory_flag = False
+        if not is_first_iteration:
+            total_loss_dict["lm loss"] = torch.tensor([0.0])
+            total_loss_dict["advanced iterations"] = 0
+    return report_memory_flag
+
+
+def _train(driver, log, iterations, losses, loop=None):
+    """upstream's train(): its locals (`loop`) start afresh in every process."""
+    loop = loop if loop is not None else {"sums": {}, "flag": True, "first": True}
+    for it in iterations:
+        driver.committed = it
+        loop["flag"] = log({"lm loss": torch.tensor([losses[it]])}, loop["sums"], 1e-3, it, 1.0, loop["flag"], 0,
+                           1.0, None, None, is_first_iteration=loop["first"])
+        loop["first"] = False
+    return loop
+
+
+def test_a_rejoining_rank_takes_the_others_log_sums_and_flags(capsys):
+    """A rank restarted in the middle of a log interval prints the line the others print: it
+    receives their sums (here iteration 5's loss), their memory flag (reported already) and that
+    the first line is behind them; a rank that starts afresh would print iteration 6 alone."""
+    losses = {it: float(it) for it in range(3, 9)}
+    stayed, _, stayed_driver, _, _ = make(replica=1, lead=[True])
+    stayed_log = stayed.wrap(_upstream_training_log, carries=True)
+    loop = _train(stayed_driver, stayed_log, range(3, 6), losses)  # logs 3 (first) and 4, holds 5
+    assert stayed.carry.state() == {"sums": {"advanced iterations": 1, "lm loss": 5.0}, "report_memory": False}
+    joiner, _, joiner_driver, _, _ = make(replica=0, lead=[True])
+    joiner.carry.receive(stayed.carry.state())  # with the counters, in the state transfer
+    capsys.readouterr()
+    _train(joiner_driver, joiner.wrap(_upstream_training_log, carries=True), range(6, 9), losses)
+    _train(stayed_driver, stayed_log, range(6, 9), losses, loop)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [" iteration 6 | lm loss: 5.500000E+00 |", " iteration 8 | lm loss: 7.500000E+00 |"] * 2
+    fresh, _, fresh_driver, _, _ = make(replica=2, lead=[True])
+    _train(fresh_driver, fresh.wrap(_upstream_training_log, carries=True), range(6, 7), losses)
+    assert capsys.readouterr().out.splitlines() == [" iteration 6 | lm loss: 6.000000E+00 | memory"]
