@@ -171,18 +171,15 @@ def val_losses(out: str) -> Dict[int, float]:
 
 
 def assert_same_run(orig, patched, mecefo, iters: int = 10, evals=(5, 10)) -> None:
-    """The unpatched script's run (`orig`), the patched one without --mecefo (bit-identical losses)
-    and with --mecefo and no failure (loss curve, consumed samples and validation losses to 1e-5)."""
+    """The unpatched script's run (`orig`), the patched one without --mecefo (the same lines) and
+    with --mecefo and no failure (every line's fields, `assert_lines`, and the validation losses,
+    the losses to 1e-5)."""
     for name, res in (("unpatched", orig), ("patched", patched), ("--mecefo", mecefo)):
         assert res.returncode == 0, f"{name} run failed:\n{res.stdout[-4000:]}"
-    want = losses(orig.stdout)
+    want = log_lines(orig.stdout)
     assert sorted(want) == list(range(1, iters + 1))
-    assert losses(patched.stdout) == want
-    got = losses(mecefo.stdout)
-    assert sorted(got) == sorted(want)
-    for it in want:
-        assert math.isclose(got[it], want[it], rel_tol=1e-5), (it, got[it], want[it])
-    assert consumed(mecefo.stdout) == consumed(orig.stdout)
+    assert log_lines(patched.stdout) == want
+    assert_lines(mecefo.stdout, want, loss_rel=1e-5)  # every field of every line
     v_want, v_got = val_losses(orig.stdout), val_losses(mecefo.stdout)
     assert sorted(v_got) == sorted(v_want) == list(evals)
     for it in v_want:
