@@ -297,23 +297,21 @@ def assert_recorded_once(out, *, killed: str, iters: int, evaluations: Dict[int,
     assert got["evaluation"] == evaluations, got
 
 
-def assert_losses(out, want: Dict[int, float], iters: int) -> None:
-    """A run (a launcher's result) that ended well and logged every iteration 1..iters once, with
-    the losses `want` (to 1e-5)."""
+def assert_losses(out, want: Dict[int, Dict[str, str]], iters: int) -> None:
+    """A run (a launcher's result) that ended well and logged every iteration 1..iters once, each
+    line `want`'s (`assert_lines`, the loss to 1e-5)."""
     assert out.returncode == 0, out.stdout[-6000:]
-    got = losses(out.stdout)  # each iteration once (losses() asserts it)
-    assert sorted(got) == list(range(1, iters + 1))
-    for it in want:
-        assert math.isclose(got[it], want[it], rel_tol=1e-5, abs_tol=1e-6), (it, got[it], want[it])
+    assert sorted(want) == list(range(1, iters + 1))
+    assert_lines(out.stdout, want, loss_rel=1e-5)
 
 
-def check_pipeline_faults(launch: Callable, args_of: Callable[[List[str]], List[str]], want: Dict[int, float],
+def check_pipeline_faults(launch: Callable, args_of: Callable[[List[str]], List[str]], want: Dict[int, Dict[str, str]],
                           log_dir: Path, iters: int = 12) -> None:
     """P = 2 x D = 2 on 4 ranks (replica r = ranks r and 2 + r), approximations off: the last stage of
     replica 1 (rank 3) is SIGKILLed in the backward of step 4, its first stage leaves (exit 4),
     replica 0 covers and the restarted replica rejoins after step 8; in a second run the lead's last
     stage (rank 2, which prints the losses) hangs in step 4 and replica 1 prints the rest. Both give
-    the fault-free losses `want` at every iteration, each logged once.
+    the fault-free lines `want` (`log_lines`) at every iteration, each logged once.
 
     Args:
         launch: (script args, **mecefo_launch options) -> the launcher's result, on the checkout.

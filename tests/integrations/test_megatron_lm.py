@@ -196,7 +196,7 @@ def test_pipeline_replicas_absorb_a_kill_a_rejoin_and_a_hung_lead(mlm_checkout, 
         "--attention-dropout", "0", "--hidden-dropout", "0"]), script="pretrain_gpt_upstream.py")
     assert upstream.returncode == 0, upstream.stdout[-4000:]
     free = mlm.mecefo_launch(mlm_checkout, 4, mlm.args(dp=2, iters=12, extra=EXACT + pipeline))
-    want = mds.losses(upstream.stdout)
+    want = mds.log_lines(upstream.stdout)
     mds.assert_same_run(upstream, upstream, free, iters=12, evals=(5, 10))
     mds.check_pipeline_faults(lambda a, **kw: mlm.mecefo_launch(mlm_checkout, 4, a, **kw),
                               lambda extra: mlm.args(dp=2, iters=12, extra=EXACT + pipeline + extra), want,
