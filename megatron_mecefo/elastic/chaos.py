@@ -184,16 +184,17 @@ def generation_plans(log_dir: Path, world: int) -> Dict[int, dict]:
 
 
 def check_steps(records: Dict[int, List[dict]], grid: Grid, k: int, last: int,
-                plans: Optional[Dict[int, dict]] = None) -> List[str]:
+                plans: Optional[Dict[int, dict]] = None, first: int = 0) -> List[str]:
     """The violations in the step records (`step_records`) of a run that committed steps
-    0..last-1: each step committed by one generation, each (tp, pp) position's ranks together ran
-    the global batch exactly once, and held bit-identical shards at its start. `plans`
-    (`generation_plans`) tells what a rank that died after a commit ran; without it, the
-    neighbour rule's fold."""
+    first..last-1 (`first`: the step it loaded): each step committed by one generation, each
+    (tp, pp) position's ranks together ran the global batch exactly once, and held bit-identical
+    shards at its start. `plans` (`generation_plans`) tells what a rank that died after a commit
+    ran; without it, the neighbour rule's fold."""
     bad = []
-    if sorted(records) != list(range(last)):
-        bad.append(f"committed steps are not 0..{last - 1}: missing {sorted(set(range(last)) - set(records))[:10]}, "
-                   f"extra {sorted(set(records) - set(range(last)))[:10]}")
+    steps = list(range(first, last))
+    if sorted(records) != steps:
+        bad.append(f"committed steps are not {first}..{last - 1}: missing {sorted(set(steps) - set(records))[:10]}, "
+                   f"extra {sorted(set(records) - set(steps))[:10]}")
     full = [(d, j) for d in range(grid.dp) for j in range(k)]
     for step in sorted(records):
         bad += _check_step(step, records, grid, k, full, plans or {})

@@ -264,15 +264,16 @@ def step_records(log_dir: Path):
     return steps
 
 
-def check_whole_and_identical(log_dir: Path, dp: int, k: int, iters: int, tp: int = 1, pp: int = 1) -> None:
-    """Every step 0..iters-1 ran the dp x k micro-batches of the global batch exactly once, and the
+def check_whole_and_identical(log_dir: Path, dp: int, k: int, iters: int, tp: int = 1, pp: int = 1,
+                              first: int = 0) -> None:
+    """Every step first..iters-1 ran the dp x k micro-batches of the global batch exactly once, and the
     replicas' shards at each (tensor, pipeline) position were bit-identical at its start (the chaos
     harness's check, which also counts a member killed between a commit and its record)."""
     from megatron_mecefo.elastic.chaos import check_steps, generation_plans
     from megatron_mecefo.elastic.topology import Grid
 
     bad = check_steps(step_records(log_dir), Grid(tp=tp, pp=pp, dp=dp), k, iters,
-                      generation_plans(log_dir, tp * pp * dp))
+                      generation_plans(log_dir, tp * pp * dp), first=first)
     assert not bad, "\n".join(bad)
 
 

@@ -479,15 +479,17 @@ def _upstream_saving_at_6(mlm_checkout, shared_run, layout):
     ("dp_reshardable", []),
     ("dp_reshardable", ["kill:2:7:backward"]),  # iteration 8: the line that holds two iterations' sum
     ("fully_reshardable", ["kill:1:9"]),  # several iterations later
-    ("replicated", ["kill:1:9"]),
-], ids=["dp_reshardable-no-kill", "dp_reshardable-kill-at-8", "fully_reshardable-kill-at-10", "replicated-kill-at-10"])
+    ("replicated", ["kill:1:7", "hold:1:8"]),  # restarted: rejoins (after loading --load) for iteration 10
+], ids=["dp_reshardable-no-kill", "dp_reshardable-kill-at-8", "fully_reshardable-kill-at-10", "replicated-rejoin"])
 def test_entering_mecefo_from_upstreams_checkpoint_logs_upstreams_lines(mlm_checkout, tmp_path, shared_run, layout,
                                                                         faults):
     """A run in progress enters MeCeFO: upstream's unpatched script on one rank saves at iteration 6
     (the optimizer replicated, or --use-distributed-optimizer in either layout); the patched script
     with --mecefo on 3 replicas loads it (model, scheduler, RNG and counters by upstream; a
     distributed optimizer's moments, step counts and fp32 parameters from upstream's layout into
-    MeCeFO's shards) and goes on to 12, without a failure or through a kill. Every logged line is
+    MeCeFO's shards) and goes on to 12, without a failure or through a kill (with the replicated
+    optimizer the killed rank is restarted: it loads --load as upstream does, then takes the live
+    state, its scheduler's count included, and rejoins). Every logged line is
     the one upstream logs after the same load (exact mode): loss, grad norm, consumed samples,
     learning rate, skipped and nan counts, and the memory report after the first two iterations.
     Upstream's own lines after a load are its uninterrupted run's except that the first line does
@@ -503,15 +505,21 @@ def test_entering_mecefo_from_upstreams_checkpoint_logs_upstreams_lines(mlm_chec
         assert mds.log_lines(resumed.stdout) == {it: want[it] for it in (7, 8)}
         assert mds.memory_reports(resumed.stdout) == [7, 8]
     inject = [a for f in faults for a in ("--mecefo-inject", f)]
+    log_dir = tmp_path / "log"
+    rejoins = any(f.startswith("hold:") for f in faults)
     entered = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + inject + [
-        "--load", str(ckpt), "--mecefo-log-dir", str(tmp_path / "log")] + (
-        ["--use-distributed-optimizer"] if sharded else [])), timeout=300)
+        "--load", str(ckpt), "--mecefo-log-dir", str(log_dir)] + (["--use-distributed-optimizer"] if sharded else [])),
+        timeout=300, restart_after=1 if rejoins else None)
     assert entered.returncode == 0, entered.stdout[-4000:]
     if faults:
         victim = int(faults[0].split(":")[1])
         assert f"generation 1: members {sorted({0, 1, 2} - {victim})}" in entered.stdout
+    if rejoins:
+        events = [json.loads(line) for line in (log_dir / f"events_rank{victim}.jsonl").read_text().splitlines()]
+        assert [e["step"] for e in events if e["event"] == "rejoined"] == [9]
     mds.assert_lines(entered.stdout, want)
     assert mds.memory_reports(entered.stdout) == [7, 8]
+    mds.check_whole_and_identical(log_dir, dp=3, k=2, iters=12, first=6)  # replicas bit-identical at every step
 
 
 @pytest.mark.fault
