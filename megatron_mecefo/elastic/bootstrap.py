@@ -78,8 +78,8 @@ def init_distributed(backend: str = "gloo", tensor_parallel: int = 1, pipeline_p
         owners, jstore = [], job_store.job_store(raw, env.job_id)
         orphan = None
         if size > 1 and env.incarnation > 0:  # waiting for restarted mates: give up if nobody holds the state
-            orphan = OrphanWatch(Membership(jstore, lambda: None, env.rank, heartbeat_interval_s=heartbeat_timeout_s,
-                                            heartbeat_timeout_s=heartbeat_timeout_s, agree_timeout_s=join_timeout_s)).check
+            orphan = Membership(jstore, lambda: None, env.rank, heartbeat_interval_s=heartbeat_timeout_s,
+                                heartbeat_timeout_s=heartbeat_timeout_s, agree_timeout_s=join_timeout_s).orphan_watch().check
         try:
             store = replica_round(jstore, replica=replica, local_rank=local, size=size, incarnation=env.incarnation,
                                   rank=env.rank, timeout_s=join_timeout_s, owners=owners, while_waiting=orphan)

@@ -23,7 +23,7 @@ from typing import Deque, Mapping, Optional, Sequence
 
 from megatron_mecefo.elastic.cover_plan import Costs
 
-__all__ = ["CostMeter", "agreed_costs", "DEFAULT_COVERING"]
+__all__ = ["CostMeter", "agreed_costs", "summarize_costs", "read_costs", "DEFAULT_COVERING"]
 
 DEFAULT_COVERING = Costs().covering
 """A covering micro-batch's cost over an exact one's before any was measured."""
@@ -84,3 +84,14 @@ def agreed_costs(info: Mapping[int, str]) -> Costs:
         if a and c and a > 0 and c > 0:
             ratios.append(min(1.0, c / a))
     return Costs(exact=1.0, covering=statistics.median(ratios) if ratios else DEFAULT_COVERING)
+
+
+def summarize_costs(info: Mapping[int, str]) -> str:
+    """`agreed_costs` as the string the agreement's publisher publishes (one for any N)."""
+    c = agreed_costs(info)
+    return json.dumps({"exact": c.exact, "covering": c.covering})
+
+
+def read_costs(summary: Optional[str]) -> Costs:
+    """The costs of `summarize_costs` (None: nothing measured yet)."""
+    return Costs(**json.loads(summary)) if summary else agreed_costs({})

@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic import groups, holds
-from megatron_mecefo.elastic.costs import CostMeter, agreed_costs
+from megatron_mecefo.elastic.costs import CostMeter, read_costs, summarize_costs
 from megatron_mecefo.elastic.cover_plan import CoverPlan, plan_cover
 from megatron_mecefo.elastic.fold import Fold
 from megatron_mecefo.elastic.inject import FaultInjector
@@ -92,7 +92,7 @@ class Formation:
                 the optimizer state lost, or the job aborted.
         """
         while True:
-            agreed = self.membership.agree(generation, candidates, step, info=self.costs.info())
+            agreed = self.membership.agree(generation, candidates, step, info=self.costs.info(), summarize=summarize_costs)
             if generation > 0:
                 self.injector.maybe_fire(agreed.step, "recovery")
             t_agreed = time.monotonic()
@@ -148,7 +148,7 @@ class Formation:
 
     def _plan(self, cover: CoverMap, agreed: Agreement) -> CoverPlan:
         """The generation's plan, from the costs its members posted (identical on every member)."""
-        costs = agreed_costs(agreed.info)
+        costs = read_costs(agreed.summary)
         budget = self.cfg.covering_budget
         return plan_cover(cover, self.k, costs, policy=self.cfg.cover,
                           target=None if budget is None else budget * self.k * costs.exact,

@@ -7,8 +7,6 @@ from __future__ import annotations
 import time
 from typing import Iterable, Sequence, Tuple
 
-from megatron_mecefo.elastic.membership import OrphanWatch
-
 __all__ = ["wait_for_holds", "wait_for_rejoin_step"]
 
 
@@ -36,7 +34,7 @@ def wait_for_rejoin_step(trace: Sequence, rank: int, incarnation: int, store, me
     mine = [e for e in trace if e.rank == rank and e.incarnation == incarnation - 1]
     if not mine:
         return
-    watch = OrphanWatch(membership)
+    watch = membership.orphan_watch()
     while int(store.add("job/progress", 0)) < mine[0].rejoin_step and time.monotonic() < deadline:
         membership.check_job()
         watch.check()

@@ -265,6 +265,7 @@ class ElasticRuntime:
         self._ran = None
         self._issued = ()
         self._t_step = time.monotonic()
+        self.membership.watch_step(self.generation, self.step)
         self._costs.begin()
 
     def plan(self) -> StepPlan:
@@ -346,8 +347,9 @@ class ElasticRuntime:
         return summed
 
     def step_aborted(self) -> bool:
-        """A member declared this step failed (polled while waiting on a collective)."""
-        return self.store.check([f"gen{self.generation}/step{self.step}/decision"])
+        """A member declared this step failed (polled while waiting on a collective; no store call:
+        the heartbeat thread watches the step's decision, membership.watch_step)."""
+        return self.membership.step_aborted(self.generation, self.step)
 
     def commit(self, **record: Any) -> bool:
         """Agree on this step. True: every member takes the optimizer step. False: a peer failed,

@@ -28,6 +28,7 @@ import subprocess
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
+from megatron_mecefo.elastic.membership import keys
 from megatron_mecefo.errors import GAVE_UP_EXIT_CODE, RETIRED_EXIT_CODE, USAGE_EXIT_CODE
 
 __all__ = ["Rank", "Supervisor"]
@@ -128,11 +129,10 @@ class Supervisor:
         return self.unreachable_since is None or now - self.unreachable_since < patience_s
 
     def report_exit(self, r: Rank) -> None:
-        """Tell the survivors at once (membership reads `exited/{rank}`; a replica's rendezvous reads
-        `exited/{rank}/{incarnation}`, which is never cleared)."""
+        """Tell the survivors at once (membership/keys.py: the rank's heartbeat reads EXITED; a
+        replica's rendezvous reads `exited/{rank}/{incarnation}`, which is never cleared)."""
         try:
-            self.client.set(f"exited/{r.rank}", "1")
-            self.client.set(f"exited/{r.rank}/{r.incarnation}", "1")
+            keys.mark_exited(self.client, r.rank, r.incarnation)
         except Exception as e:
             self.log.info("could not record the exit of rank %d in the store: %s", r.rank, e)
 

@@ -8,7 +8,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from megatron_mecefo.elastic.membership import Membership
+from megatron_mecefo.elastic.membership import Membership, keys
+from megatron_mecefo.elastic.membership.admission import announce
 from megatron_mecefo.elastic.replica import replica_round
 from megatron_mecefo.elastic.topology import Grid
 from megatron_mecefo.errors import JobAborted, NoCoverAvailable, NotAMember, StateLost
@@ -60,7 +61,7 @@ def test_what_the_members_post_is_published_with_the_agreement(store):
     def run(r):
         out[r] = member(store, r).agree(4, [0, 1, 2, 3], 9, info=None if r == 2 else f"costs of {r}")
 
-    store.set("exited/3", "1")  # rank 3 posted, then crashed before the agreement
+    keys.mark_exited(store, 3)  # rank 3 posted, then crashed before the agreement
     store.set("gen4/info/3", "costs of 3")
     threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1, 2)]
     for t in threads:
@@ -75,7 +76,7 @@ def test_a_replica_that_lost_a_rank_is_left_out_whole(store):
     """T=2, D=2: rank 2 (replica 1) crashed; rank 3, alive, is not a member either (NotAMember), and
     the plan holds whole replica 0 only."""
     grid = Grid(tp=2, dp=2)
-    store.set("exited/2", "1")
+    keys.mark_exited(store, 2)
     out = agree_all(store, 1, {0: 7, 1: 7, 3: 7}, whole=grid.whole, candidates=[0, 1, 2, 3])
     assert (out[0].members, out[1].members) == ((0, 1), (0, 1))
     assert isinstance(out[3], NotAMember)
@@ -84,16 +85,16 @@ def test_a_replica_that_lost_a_rank_is_left_out_whole(store):
 def test_every_replica_broken_gives_up_for_no_cover(store):
     grid = Grid(tp=2, dp=2)
     for r in (1, 2):
-        store.set(f"exited/{r}", "1")
+        keys.mark_exited(store, r)
     out = agree_all(store, 1, {0: 7, 3: 7}, whole=grid.whole, candidates=[0, 1, 2, 3])
     assert all(isinstance(e, NoCoverAvailable) for e in out.values())
 
 
 def test_a_restarted_replica_is_admitted_only_when_all_its_ranks_wait(store):
     m = member(store, 0, whole=Grid(tp=2, dp=2).whole)
-    store.set("join/2", "waiting")
+    announce(store, 2)
     assert m.pending_joiners([0, 1], 4) == []
-    store.set("join/3", "waiting")
+    announce(store, 3)
     assert m.pending_joiners([0, 1], 4) == [2, 3]
 
 
@@ -127,17 +128,17 @@ def test_replica_rounds_skip_stale_and_dead_slots(store):
 
 
 def test_only_ranks_without_state_left_is_state_lost(store):
-    store.set("exited/1", "1")  # the only holder crashed
+    keys.mark_exited(store, 1)  # the only holder crashed
     out = agree_all(store, 2, {0: None, 2: None, 1: 40})
     assert isinstance(out[0], StateLost) and isinstance(out[2], StateLost)
-    assert json.loads(store.get("gen2/agreed")) == {"lost": True, "members": [0, 2]}
+    assert keys.read_agreement(store.get("gen2/agreed")) == {"lost": True, "members": [0, 2]}
 
 
 def test_a_waiting_joiner_ends_the_job_when_no_holder_is_alive(store):
     store.set("gen0/agreed", json.dumps({"members": [0, 1], "joiners": [], "step": 0}))
     store.set("gen1/agreed", json.dumps({"members": [1], "joiners": [], "step": 7}))
     store.add("hb/1", 1)
-    store.set("exited/1", "1")
+    keys.mark_exited(store, 1)
     t0 = time.monotonic()
     with pytest.raises(StateLost, match=r"generation 1 had members \[1\]"):
         member(store, 0).request_join(time.monotonic() + 30)
@@ -201,7 +202,7 @@ def test_a_restarted_rank_asking_to_join_is_not_waited_for(store, caplog):
     """Rank 2 was killed and its restart (heartbeat beating) asks to join while 0 and 1 agree on the
     survivors: it never checks in here, so waiting for it would only run out agree_timeout_s (60 s)."""
     store.set("joinee/2", "")
-    store.set("join/2", "waiting")
+    announce(store, 2)
     stop = _beating(store, 2)
     t0 = time.monotonic()
     try:
@@ -217,7 +218,7 @@ def test_a_restarted_rank_asking_to_join_is_not_waited_for(store, caplog):
 def test_a_joiner_named_for_the_generation_is_waited_for(store):
     """Rank 2 asked to join and was named for generation 3 (joinee/2) but has not yet marked itself
     admitted: it is coming to this agreement, so the plan waits for it and names it a joiner."""
-    store.set("join/2", "waiting")
+    announce(store, 2)
     store.set("joinee/2", "3")
     stop = _beating(store, 2)
 
