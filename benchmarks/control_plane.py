@@ -41,36 +41,17 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_mecefo.elastic.membership import Membership, keys  # noqa: E402
+from megatron_mecefo.elastic.membership import keys  # noqa: E402
+from megatron_mecefo.testing.counting import Counted  # noqa: E402
 
 BASELINE = "efb62c9"
 """The last commit whose control plane scanned every member from every member (2N^2 per step)."""
-CALLS = {"set", "get", "add", "check", "compare_set", "wait", "multi_get", "multi_set", "append", "delete_key",
-         "num_keys"}
 
 
 def _serve(conn) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600))
     conn.send(store.port)
     conn.recv()  # until told to stop
-
-
-class Counted:
-    """A store client whose calls are counted (`counts[rank]`)."""
-
-    def __init__(self, store, counts, rank) -> None:
-        self._store, self._counts, self._rank = store, counts, rank
-
-    def __getattr__(self, name):
-        attr = getattr(self._store, name)
-        if name not in CALLS:
-            return attr
-
-        def call(*args, **kwargs):
-            self._counts[self._rank] += 1
-            return attr(*args, **kwargs)
-
-        return call
 
 
 class Job:

@@ -178,11 +178,12 @@ class MeCeFOConfig:
     """Record a SHA-256 of the parameters at the start of every step in steps_rank{R}.jsonl, to
     check that replicas stay bit-identical (costs one pass over the parameters per step)."""
     inject: tuple = ()
-    """Failure injection for tests and demos: a list of {"kind": "kill"|"hang"|"hold", "rank": R,
-    "step": S (or "*": any step), "phase": "forward"|"backward"|"allreduce"|"optimizer"|"recovery"|
+    """Failure injection for tests and demos: a list of {"kind": "kill"|"hang"|"error"|"hold", "rank": R,
+    "step": S (or "*": any step), "phase": "forward"|"backward"|"allreduce"|"commit"|"optimizer"|"recovery"|
     "join"|"transfer"|"admit"|"reshard", "incarnation": I (default 0: the first start)}; "hold" makes every
-    rank wait at the start of step S until incarnation I (default 1) of rank R asks to rejoin.
-    CLI: --mecefo-inject kill|hang:RANK:STEP[:PHASE[:INCARNATION]] or hold:RANK:STEP[:INCARNATION]
+    rank wait at the start of step S until incarnation I (default 1) of rank R asks to rejoin; "error"
+    (phase "commit" only) makes the step's last collective fail on rank R while its peers' completed.
+    CLI: --mecefo-inject kill|hang|error:RANK:STEP[:PHASE[:INCARNATION]] or hold:RANK:STEP[:INCARNATION]
     (repeatable). A rank outside the job is refused at start (formats: fault_rules.py)."""
 
     trace: Optional[dict] = None

@@ -10,12 +10,12 @@ from typing import List
 
 __all__ = ["KINDS", "PHASES", "PAPER_SCENARIOS", "RULE_FORMAT", "parse_rules", "parse_trace"]
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "join", "transfer", "admit", "reshard")
+PHASES = ("forward", "backward", "allreduce", "commit", "optimizer", "recovery", "join", "transfer", "admit", "reshard")
 """Where a kill or hang fires (elastic/inject.py's docstring says when each point is reached)."""
 
-KINDS = ("kill", "hang", "hold")
+KINDS = ("kill", "hang", "error", "hold")
 
-RULE_FORMAT = "kill|hang:RANK:STEP[:PHASE[:INCARNATION]] or hold:RANK:STEP[:INCARNATION]"
+RULE_FORMAT = "kill|hang|error:RANK:STEP[:PHASE[:INCARNATION]] or hold:RANK:STEP[:INCARNATION]"
 
 PAPER_SCENARIOS = {"low": (2.0, 4.0), "medium": (1.0, 3.0), "high": (0.5, 2.0)}
 """The paper's failure scenarios: (mean time between failures, recovery time) in hours."""
@@ -58,6 +58,9 @@ def parse_rules(rules, where: str = 'mecefo "inject"') -> List[dict]:
         rule = {"phase": "forward" if hold else "backward", "incarnation": 1 if hold else 0, **rule}
         if rule["phase"] not in PHASES:
             raise ValueError(f"{where}: phase must be one of {PHASES}, got {rule['phase']!r}")
+        if rule["kind"] == "error" and rule["phase"] != "commit":
+            raise ValueError(f"{where}: an error is injected at phase commit only (the step's last collective "
+                             f"failing on this rank while its peers' completed), got {rule['phase']!r}")
         if hold and rule["step"] == "*":
             raise ValueError(f"{where}: a hold names a step, got {rule!r}")
         for f in ("rank", "step", "incarnation"):

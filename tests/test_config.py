@@ -113,7 +113,7 @@ def test_trace_errors_name_the_key(trace, message):
 @pytest.mark.parametrize(
     "rule, message",
     [
-        ("kill:1", r"is not kill\|hang:RANK:STEP"),
+        ("kill:1", r"is not kill\|hang\|error:RANK:STEP"),
         ("hold:1:*", "a hold names a step"),
         ("hold:1:2:x", "must be integers"),
         ("hold:1:2:1:4", r"or hold:RANK:STEP\[:INCARNATION\]"),

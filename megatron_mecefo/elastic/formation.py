@@ -51,6 +51,8 @@ class Generation:
     """The training state this rank received as a joiner; None on a rank that held it."""
     t_agreed: float
     """time.monotonic() when the members were agreed."""
+    rolled: Tuple[int, ...] = ()
+    """Members that commit the step before `step` with their own reduced gradients (Agreement.rolled)."""
 
     @property
     def fold(self) -> Fold:
@@ -76,23 +78,26 @@ class Formation:
         generation that admits it and that generation's candidates."""
         holds.wait_for_rejoin_step(self.injector.trace, self.rank, incarnation, self.store, self.membership,
                                    deadline=deadline)
-        self.store.set(f"rejoining/{self.rank}/{incarnation}", "1")  # what "hold" rules wait for
-        generation = self.membership.request_join(deadline)
+        # what "hold" rules wait for, once the request is counted: that step's commit admits it
+        generation = self.membership.request_join(
+            deadline, announced=lambda: self.store.set(f"rejoining/{self.rank}/{incarnation}", "1"))
         self.injector.maybe_fire(int(self.store.add("job/progress", 0)), "join")
         return generation, [int(x) for x in self.store.get(f"gen{generation}/candidates").decode().split(",")]
 
-    def form(self, generation: int, candidates: Sequence[int], step: Optional[int]) -> Generation:
+    def form(self, generation: int, candidates: Sequence[int], step: Optional[int], reduced: bool = False) -> Generation:
         """Agree on and build generation `generation` (or a later one if it cannot form).
 
         Args:
             step: the step whose state this rank holds; None: it holds none (a joiner).
+            reduced: it also holds that step's reduced gradients (membership.agree).
 
         Raises:
             GaveUp: no cover for a failed replica (NoCoverAvailable, with `members`), a shard of
                 the optimizer state lost, or the job aborted.
         """
         while True:
-            agreed = self.membership.agree(generation, candidates, step, info=self.costs.info(), summarize=summarize_costs)
+            agreed = self.membership.agree(generation, candidates, step, info=self.costs.info(), summarize=summarize_costs,
+                                           reduced=reduced)
             if generation > 0:
                 self.injector.maybe_fire(agreed.step, "recovery")
             t_agreed = time.monotonic()
@@ -134,7 +139,8 @@ class Formation:
             self._install(sharded, generation, agreed.step)
         return Generation(number=generation, step=agreed.step, members=tuple(agreed.members),
                           joiners=tuple(agreed.joiners), group=group, cover=cover, plan=self._plan(cover, agreed),
-                          state=payload if self.rank in agreed.joiners else None, t_agreed=t_agreed)
+                          state=payload if self.rank in agreed.joiners else None, t_agreed=t_agreed,
+                          rolled=agreed.rolled)
 
     def _cover(self, generation: int, agreed: Agreement) -> CoverMap:
         try:

@@ -33,7 +33,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["build_dp_group", "destroy_group", "dense_rank", "nccl_options", "connect", "alive", "AbortHung"]
+__all__ = ["build_dp_group", "destroy_group", "dense_rank", "nccl_options", "connect", "alive", "AbortHung",
+           "allreduce_min_", "replica_min"]
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,25 @@ def allreduce_sum_(group, tensor: torch.Tensor, should_abort: Optional[Callable[
                    poll_s: float = 0.05) -> None:
     """In-place SUM all-reduce over `group`; raises on a peer failure or timeout (see wait_)."""
     wait_(allreduce_sum_async_(group, tensor), should_abort, poll_s)
+
+
+def allreduce_min_(group, tensor: torch.Tensor, should_abort: Optional[Callable[[], bool]] = None) -> None:
+    """In-place MIN all-reduce over `group`; raises on a peer failure or timeout (see wait_)."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    wait_(group.allreduce([tensor], opts), should_abort)
+
+
+def replica_min(value: float) -> float:
+    """MIN of `value` over this rank's replica: torch.distributed's default group, which spans the
+    replica's T x P ranks under MeCeFO (bootstrap.init_distributed). Raises on a failed rank."""
+    if not dist.is_initialized():
+        raise RuntimeError("tensor or pipeline parallelism needs torch.distributed initialised over the replica "
+                           "(megatron_mecefo.elastic.bootstrap.init_distributed)")
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([value], dtype=torch.float32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
 
 
 def allreduce_sum_async_(group, tensor: torch.Tensor):

@@ -11,7 +11,10 @@ a new generation with a sharded optimizer state, after the layout is shared and 
 and parameters move). A rule fires in the
 incarnation it names (0, the first start, by default; a restarted rank does not kill itself again
 unless a rule names its incarnation) at its step, or at any step with step "*":
-"kill" is SIGKILL (a crash), "hang" is SIGSTOP (alive but silent, heartbeat frozen).
+"kill" is SIGKILL (a crash), "hang" is SIGSTOP (alive but silent, heartbeat frozen). "commit" is
+reached after the step's last collective (the commit's confirmation) completed on this rank; an
+"error" there (that phase only) makes the rank see that collective fail although its peers'
+completed, the window in which some members commit a step and others do not.
 
 "hold" makes the job wait for a restarted rank instead of for the clock: every member waits at the
 start of the named step until the named incarnation (default 1; 0 for a rank that started too late
@@ -35,7 +38,7 @@ from typing import Iterable, List, Mapping, Optional, Sequence
 
 from megatron_mecefo.fault_rules import KINDS, PAPER_SCENARIOS, PHASES, RULE_FORMAT, parse_rules, parse_trace
 
-__all__ = ["FaultInjector", "KINDS", "PHASES", "TraceEvent", "failure_trace", "trace_from_events", "PAPER_SCENARIOS",
+__all__ = ["FaultInjector", "InjectedError", "KINDS", "PHASES", "TraceEvent", "failure_trace", "trace_from_events", "PAPER_SCENARIOS",
            "check_rules", "check_job", "check_trace", "job_trace", "parse_rules", "parse_trace", "REJOIN_SLACK", "RULE_FORMAT"]
 
 logger = logging.getLogger(__name__)
@@ -197,6 +200,10 @@ def check_job(config, world: int, *, model_parallel: int = 1, train_iters: Optio
     return job_trace(config.trace, world, train_iters, max_restarts)
 
 
+class InjectedError(RuntimeError):
+    """An "error" rule: the collective of the phase failed on this rank (its peers' completed)."""
+
+
 class FaultInjector:
     """Kill or hang this process at an exact (rank, step, phase)."""
 
@@ -275,4 +282,6 @@ class FaultInjector:
                 print(msg, file=sys.stderr, flush=True)
                 if self.events is not None:
                     self.events.write("inject", kind=rule["kind"], step=step, phase=phase)
+                if rule["kind"] == "error":
+                    raise InjectedError(msg)
                 os.kill(os.getpid(), signal.SIGKILL if rule["kind"] == "kill" else signal.SIGSTOP)

@@ -34,6 +34,8 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import torch
+
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.elastic import groups, holds, nccl_env
 from megatron_mecefo.elastic import store as job_store
@@ -43,7 +45,7 @@ from megatron_mecefo.elastic.fold import Fold
 from megatron_mecefo.elastic.formation import Formation
 from megatron_mecefo.elastic.give_up import GiveUpCheckpoint
 from megatron_mecefo.elastic.inject import FaultInjector
-from megatron_mecefo.elastic.membership import Membership
+from megatron_mecefo.elastic.membership import Membership, keys
 from megatron_mecefo.elastic.replica import mark_started
 from megatron_mecefo.elastic.topology import CoverMap, Grid
 from megatron_mecefo.elastic.transfer import decode_state
@@ -159,6 +161,7 @@ class ElasticRuntime:
         self.step = 0
         self._t_start = time.monotonic()
         self._ran: Optional[int] = None  # micro-batches the members reported running this step
+        self._admit = False  # this step's commit admits the joiners named under its key
         self._counted = False  # this step's statistics carry the micro-batch count
         self._error: Optional[BaseException] = None
         self._error_time: Optional[float] = None
@@ -262,7 +265,7 @@ class ElasticRuntime:
                              self.cfg.join_timeout_s, self.events, self.log)
         self._error = None
         self._error_time = self._error_wall = None
-        self._ran = None
+        self._ran, self._admit = None, False
         self._issued = ()
         self._t_step = time.monotonic()
         self.membership.watch_step(self.generation, self.step)
@@ -334,17 +337,30 @@ class ElasticRuntime:
 
     def step_statistics(self, micro_batches: Optional[int]) -> List[float]:
         """What the runtime needs summed with the step's statistics: the micro-batches this rank
-        ran (the commit checks the whole global batch ran). The step's compute time ends here."""
+        ran (the commit checks the whole global batch ran), and whether restarted ranks are to be
+        admitted at this step's end (the lowest member's word: every member learns it here, with no
+        store call of its own). The step's compute time ends here."""
         self._costs.end(self._micro_batches_run())
         self._counted = micro_batches is not None
-        return [float(micro_batches)] if micro_batches is not None else []
+        return ([float(micro_batches)] if micro_batches is not None else []) + [float(self._admission())]
 
     def take_statistics(self, summed: List[float]) -> List[float]:
         """The summed `step_statistics` taken off the end of `summed`; returns the rest."""
         summed = list(summed)
+        self._admit = summed.pop() > 0
         if self._counted:
             self._ran = int(round(summed.pop()))
         return summed
+
+    def _admission(self) -> bool:
+        """On the lowest member (one store call: the join count; more only when it moved): the
+        restarted ranks this step's commit admits, written under the step's key."""
+        if self.sharding is not None or self.rank != min(self.members):
+            return False  # a sharded state's commit is voted: its decider names the joiners
+        joiners = self.membership.joins.pending(self.members, self.generation)
+        if joiners:
+            self.store.set(keys.admit(self.generation, self.step), ",".join(map(str, joiners)))
+        return bool(joiners)
 
     def step_aborted(self) -> bool:
         """A member declared this step failed (polled while waiting on a collective; no store call:
@@ -369,6 +385,81 @@ class ElasticRuntime:
                 f"[gen {self.generation} rank {self.rank} step {self.step}] the members ran {self._ran} of the "
                 f"{whole} micro-batches of the global batch: the step is not committed (the training loop must run "
                 "every micro-batch of plan().micro_batches)")
+        if self.sharding is not None:  # every shard steps or none does: voted in the store
+            return self._voted_commit(ok, record)
+        step, ran = self.step, self._as_ran()
+        if ok and self._confirm():
+            self._committed(step, {**ran, **record}, admit=self._admit)
+            return True
+        if ok:  # reduced here; whether the others committed is known at the agreement
+            self.log.warning("step %d reduced here but not confirmed by every member; holding its gradients "
+                             "until the survivors agree", step)
+        else:  # peers still in this step's collectives stop waiting (their heartbeat thread sees it)
+            self.membership.abort_step(self.generation, step)
+        if self._recover(reduced=ok):  # the others committed it: take the same step with these gradients
+            self._committed(step, {**ran, **record}, admit=False)
+            return True
+        return False
+
+    def _confirm(self) -> bool:
+        """The commit's collective: the MIN over the data-parallel group of "every rank of my
+        replica reduced" (with T or P > 1: a MIN over the replica first, and once more after, so
+        every rank of a replica commits alike). True: every member holds this step's reduced
+        gradients and commits it. False: this rank does not commit now; it keeps its gradients,
+        and the agreement that follows says whether a member committed the step (then it commits
+        it too) or none did (then the step is redone)."""
+        multi = self.grid.tp * self.grid.pp > 1
+        flag = torch.ones(1, device=self._device())
+        try:
+            if multi:
+                with self.replica_collectives(self.step):
+                    flag.fill_(groups.replica_min(1.0))
+            groups.allreduce_min_(self.group, flag, should_abort=self.step_aborted)
+            self.fire("commit")
+        except MeCeFOError:
+            raise
+        except Exception as e:  # gloo: connection closed / timed out; an injected error
+            self.report_error(e)
+            flag.zero_()
+        if multi:
+            with self.replica_collectives(self.step):
+                flag.fill_(groups.replica_min(float(flag.item())))
+        return float(flag.item()) == 1.0
+
+    def _device(self):
+        return torch.device("cuda", torch.cuda.current_device()) if self._formation.backend == "nccl" \
+            else torch.device("cpu")
+
+    def _committed(self, step: int, record: Dict[str, Any], admit: bool) -> None:
+        """A committed step's bookkeeping: the progress mark, the step record, and the joiners its
+        commit admits (named under the step's key by the lowest member, `_admission`)."""
+        if self.rank == min(self.members):
+            self.store.set(keys.PROGRESS, str(step + 1))  # read by trace-restarted ranks
+        if admit:
+            joiners = [int(r) for r in self.store.get(keys.admit(self.generation, step)).decode().split(",")]
+            candidates = sorted(set(self.members) | set(joiners))
+            self._pending = (self.generation + 1, candidates)
+            if self.rank == min(self.members):  # the candidates first: a named joiner reads them
+                self.store.set(keys.candidates(self.generation + 1), ",".join(map(str, candidates)))
+                for j in joiners:
+                    self.store.set(keys.joinee(j), str(self.generation + 1))
+        self._write_step(step, record)
+        if admit:
+            self.injector.maybe_fire(step, "admit")
+
+    def _as_ran(self) -> Dict[str, Any]:
+        """The step record's fields of the generation the current step ran in."""
+        ran = self._micro_batches_run()
+        return dict(generation=self.generation, live=list(self.members),
+                    cover={str(k): v for k, v in self._cover.cover.items()}, degraded=self._cover.degraded,
+                    micro_batches=[[m.replica, m.index, m.covering] for m in ran],
+                    divisor_mha=self._plan.fold.divisor_mha)
+
+    def _write_step(self, step: int, record: Dict[str, Any]) -> None:
+        """`record` holds `_as_ran()`'s fields (a step committed after a regroup ran in the last one)."""
+        self.steps_log.write("step", step=step, step_time_s=time.monotonic() - self._t_step, **record)
+
+    def _voted_commit(self, ok: bool, record: Dict[str, Any]) -> bool:
         decision = self.membership.decide(self.generation, self.step, self.members, ok, self.world)
         if decision.commit and not ok:
             raise IncompleteStep(
@@ -376,16 +467,10 @@ class ElasticRuntime:
                 "rank's gradient reduction failed: the store's decisions do not match this job; not committing")
         if decision.commit:
             if self.rank == min(self.members):
-                self.store.set("job/progress", str(self.step + 1))  # read by trace-restarted ranks
+                self.store.set(keys.PROGRESS, str(self.step + 1))  # read by trace-restarted ranks
             if decision.joiners:
                 self._pending = (decision.next_generation, sorted(set(self.members) | set(decision.joiners)))
-            ran = self._micro_batches_run()
-            self.steps_log.write(
-                "step", step=self.step, generation=self.generation, live=list(self.members),
-                cover={str(k): v for k, v in self._cover.cover.items()}, degraded=self._cover.degraded,
-                micro_batches=[[m.replica, m.index, m.covering] for m in ran], divisor_mha=self._plan.fold.divisor_mha,
-                step_time_s=time.monotonic() - self._t_step, **record,
-            )
+            self._write_step(self.step, {**self._as_ran(), **record})
             if decision.joiners:
                 self.injector.maybe_fire(self.step, "admit")
             return True
@@ -411,7 +496,10 @@ class ElasticRuntime:
 
     # -- recovery ---------------------------------------------------------------------------------
 
-    def _recover(self) -> None:
+    def _recover(self, reduced: bool = False) -> bool:
+        """Agree on the survivors and regroup. `reduced`: this rank holds the current step's reduced
+        gradients (its confirmation failed). Returns True when a member committed that step: this
+        rank then commits it too, with those gradients."""
         t_detect = self._error_time or time.monotonic()
         self._detected_wall = self._error_wall or time.time()
         t0 = time.monotonic()
@@ -421,22 +509,30 @@ class ElasticRuntime:
         if self._pending is not None:  # the commit had admitted joiners: that generation, with them
             generation, candidates = self._pending
             self._pending = None
-        self._regroup(generation, candidates, detected_at=t_detect, t_start=t0)
+        return self._regroup(generation, candidates, detected_at=t_detect, t_start=t0, reduced=reduced)
 
     def _regroup(self, generation: int, candidates: Sequence[int], detected_at: Optional[float] = None,
-                 t_start: Optional[float] = None) -> None:
-        """Form the next generation (formation.py) and install it."""
+                 t_start: Optional[float] = None, reduced: bool = False) -> bool:
+        """Form the next generation (formation.py) and install it. Returns whether this rank rolls
+        its held step forward (`_recover`)."""
         t0 = t_start or time.monotonic()
         self._drop_group()  # a rejoin replaces a healthy group: its communicator goes first
-        new = self._formation.form(generation, candidates, self.step if self._has_state else None)
+        held = self.step if self._has_state else None
+        new = self._formation.form(generation, candidates, held, reduced=reduced)
+        rolled = self.rank in new.rolled
         if new.state is not None:
+            if held is not None and self.generation >= 0:
+                # a member whose state is older than the generation's without holding the step's
+                # gradients: it cannot take the newest state mid-step; restarted, it rejoins with it
+                raise NotAMember(f"[gen {generation} rank {self.rank}] holds the state of step {held}, the members "
+                                 f"step {new.step}: leaving to rejoin with it")
             self._load_state(new.state, new.step)
         self.group, self.generation, self.members = new.group, new.number, list(new.members)
         self._cover, self._plan, self.step = new.cover, new.plan, new.step
         t_done, now = time.monotonic(), time.time()
         self.events.write(
             "regroup", generation=self.generation, step=self.step, members=self.members,
-            cover={str(k): v for k, v in new.cover.cover.items()}, joiners=list(new.joiners),
+            cover={str(k): v for k, v in new.cover.cover.items()}, joiners=list(new.joiners), rolled=list(new.rolled),
             detected_at=self._detected_wall if detected_at else None,
             agreed_at=now - (t_done - new.t_agreed), regrouped_at=now,
             detect_to_recover_s=(t0 - detected_at) if detected_at else None,
@@ -451,6 +547,7 @@ class ElasticRuntime:
                              new.plan.approximated)
         if self.grid.tp * self.grid.pp > 1:
             self.membership.watch_exclusion(self.generation, self._excluded)
+        return rolled
 
     def _drop_group(self) -> None:
         """Abort this rank's data-parallel group (bounded: groups.AbortHung when NCCL's abort hangs)

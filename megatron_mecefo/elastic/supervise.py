@@ -129,7 +129,7 @@ class Supervisor:
         return self.unreachable_since is None or now - self.unreachable_since < patience_s
 
     def report_exit(self, r: Rank) -> None:
-        """Tell the survivors at once (membership/keys.py: the rank's heartbeat reads EXITED; a
+        """Tell the survivors at once (membership/keys.py: its heartbeat marked below 0; a
         replica's rendezvous reads `exited/{rank}/{incarnation}`, which is never cleared)."""
         try:
             keys.mark_exited(self.client, r.rank, r.incarnation)

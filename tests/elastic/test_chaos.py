@@ -167,6 +167,15 @@ REGRESSIONS = {
     # without a reason; now it ends the job with exit 3 and says why.
     "every_rank_hangs": Schedule(27, 2, 24, (
         Fault("hang", 0, 10, "allreduce"), Fault("hang", 1, 10, "backward"), Fault("kill", 0, 13, "forward")), 4.0),
+    # The commit's confirmation fails on rank 1 although the others' completed (they commit step 5):
+    # rank 1 keeps its reduced gradients and, at the agreement, commits step 5 with them.
+    "a_member_whose_confirmation_failed_commits_late": Schedule(1008, 3, 24, (
+        Fault("error", 1, 5, "commit"),), 0.5),
+    # The same on the lowest rank (it names joiners and marks the progress), while rank 2 dies right
+    # after the agreement that lets rank 0 commit late: that generation does not form, and rank 0,
+    # still holding its gradients, commits step 5 in the next one; rank 2 rejoins.
+    "the_lowest_commits_late_as_a_rank_dies": Schedule(1009, 4, 24, (
+        Fault("error", 0, 5, "commit"), Fault("kill", 2, 6, "recovery")), 0.5),
     # The last rank with the state dies right after its commit decision admits a restarted rank:
     # nobody can send the joiner the state, so it ends the job (StateLost) instead of waiting.
     "state_lost_when_the_admitting_rank_dies": Schedule(1006, 2, 24, (
@@ -192,7 +201,7 @@ def run_clean(tmp_path, references, schedule, **options):
 def test_compound_schedule(tmp_path, toy_references, name):
     schedule = REGRESSIONS[name]
     outcome, result = run_clean(tmp_path, toy_references, schedule)
-    fired = result.stderr.count("[mecefo inject]")
+    fired = sum(line.startswith("[mecefo inject]") for line in result.stderr.splitlines())
     holds = [f for f in schedule.faults if f.kind == "hold"]
     waited = chaos.events(tmp_path, schedule.world, "hold")
     assert {(e["rank_awaited"], e["incarnation"]) for e in waited} == {(f.rank, f.incarnation) for f in holds}
@@ -221,6 +230,11 @@ def test_compound_schedule(tmp_path, toy_references, name):
     elif name in ("every_rank_dies", "every_rank_hangs"):
         assert outcome == "gave_up" and fired == min(3, schedule.world)
         assert "the job gave up: no rank of the job is left running" in result.stderr
+    elif name in ("a_member_whose_confirmation_failed_commits_late", "the_lowest_commits_late_as_a_rank_dies"):
+        assert outcome == "finished" and fired == len(schedule.faults)
+        late = schedule.faults[0].rank
+        rolled = [e for e in chaos.events(tmp_path, schedule.world, "regroup") if e.get("rolled")]
+        assert rolled and {tuple(e["rolled"]) for e in rolled} == {(late,)} and {e["step"] for e in rolled} == {6}, rolled
     elif name == "state_lost_when_the_admitting_rank_dies":
         assert outcome == "gave_up"
         kinds = {e["kind"] for e in chaos.events(tmp_path, 2, "gave_up")}

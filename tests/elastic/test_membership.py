@@ -1,5 +1,6 @@
 """Membership logic against a real TCPStore, ranks as threads (no processes, no failures injected)."""
 
+import collections
 import json
 import threading
 import time
@@ -12,6 +13,7 @@ from megatron_mecefo.elastic.membership import Membership, keys
 from megatron_mecefo.elastic.membership.admission import announce
 from megatron_mecefo.elastic.replica import replica_round
 from megatron_mecefo.elastic.topology import Grid
+from megatron_mecefo.testing.counting import Counted
 from megatron_mecefo.errors import JobAborted, NoCoverAvailable, NotAMember, StateLost
 
 pytestmark = pytest.mark.dist
@@ -23,8 +25,9 @@ def store():
 
 
 def member(store, rank, **kw):
+    """Rank `rank`'s membership on its own connection (a member blocks its connection while it waits)."""
     connect = lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)  # noqa: E731
-    return Membership(store, connect, rank, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5,
+    return Membership(connect(), connect, rank, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5,
                       agree_timeout_s=kw.get("agree_timeout_s", 5.0), whole=kw.get("whole"))
 
 
@@ -128,8 +131,9 @@ def test_replica_rounds_skip_stale_and_dead_slots(store):
 
 
 def test_only_ranks_without_state_left_is_state_lost(store):
-    keys.mark_exited(store, 1)  # the only holder crashed
-    out = agree_all(store, 2, {0: None, 2: None, 1: 40})
+    store.append("gen2/in", keys.checkin_line(1, 40, None))  # the only holder checked in, then crashed
+    keys.mark_exited(store, 1)
+    out = agree_all(store, 2, {0: None, 2: None}, candidates=[0, 1, 2])
     assert isinstance(out[0], StateLost) and isinstance(out[2], StateLost)
     assert keys.read_agreement(store.get("gen2/agreed")) == {"lost": True, "members": [0, 2]}
 
@@ -275,3 +279,92 @@ def test_the_heartbeat_outlives_a_failed_store_call(store):
         assert int(store.add("hb/1", 0)) > before, "the heartbeat stopped after one failed call"
     finally:
         m.stop()
+
+
+def _counted_members(store, n, counts, beating=()):
+    """n members whose training-thread store calls are counted per rank; the heartbeat threads of
+    `beating` run (their calls are not counted)."""
+    out = []
+    for r in range(n):
+        connect = lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)  # noqa: E731
+        m = Membership(Counted(connect(), counts, r), connect, r, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5,
+                       agree_timeout_s=20.0)
+        if r in beating:
+            m.start()
+        out.append(m)
+    counts.clear()
+    return out
+
+
+def _in_threads(members, fn):
+    out = {}
+
+    def run(m):
+        try:
+            out[m.rank] = fn(m)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out[m.rank] = e
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_an_agreement_costs_each_member_four_store_calls(store):
+    """16 members: one check-in, the publisher's name, a server-side wait and the result; only the
+    publisher reads everyone's check-ins (O(1) calls per poll), so the total is 4N + O(1)."""
+    counts = collections.Counter()
+    members = _counted_members(store, 16, counts, beating=range(16))
+    try:
+        out = _in_threads(members, lambda m: m.agree(1, list(range(16)), 7))
+    finally:
+        for m in members:
+            m.stop()
+    assert {p.members for p in out.values()} == {tuple(range(16))}, out
+    publisher = int(store.get("gen1/publisher"))
+    others = [counts[r] for r in range(16) if r != publisher]
+    assert max(others) <= 4, counts
+    assert sum(counts.values()) <= 4 * 16 + 60, counts
+
+
+def test_a_publisher_that_hangs_is_replaced(store):
+    """Rank 0 checks in first (so it publishes) and hangs: its heartbeat stops. One of the 15 others
+    takes over once it is presumed dead, and the generation goes on without it."""
+    members = _counted_members(store, 16, collections.Counter(), beating=range(1, 16))
+    store.add("hb/0", 1)
+    store.append("gen1/in", keys.checkin_line(0, 7, None))
+    store.add("gen1/arrivals", 1)
+    store.set("gen1/publisher", "0")
+    t0 = time.monotonic()
+    try:
+        out = _in_threads(members[1:], lambda m: m.agree(1, list(range(16)), 7))
+    finally:
+        for m in members:
+            m.stop()
+    assert {p.members for p in out.values()} == {tuple(range(1, 16))}, out
+    assert int(store.get("gen1/publisher")) != 0
+    assert time.monotonic() - t0 < 10, "the takeover waited for the agreement deadline"
+
+
+def test_the_vote_of_a_sharded_step_costs_each_member_three_calls_and_a_dead_watcher_is_replaced(store):
+    """The vote (kept for a sharded optimizer state): each of 16 members counts its ok, waits for
+    the decision server-side and reads it. When the watcher (rank 0) hangs before it votes, another
+    member takes the watch over and decides abort."""
+    counts = collections.Counter()
+    members = _counted_members(store, 16, counts, beating=range(16))
+    try:
+        out = _in_threads(members, lambda m: m.decide(0, 3, list(range(16)), True, 16))
+        assert all(d.commit for d in out.values()), out
+        # the vote, the wait, the decision; the last voter: + the joiners, the decision, the pokes
+        assert sorted(counts.values())[:-1] == [3] * 15 and max(counts.values()) <= 6, counts
+        members[0].stop()  # rank 0 hangs
+        t0 = time.monotonic()
+        out = _in_threads(members[1:], lambda m: m.decide(0, 4, list(range(16)), True, 16))
+    finally:
+        for m in members:
+            m.stop()
+    assert not any(d.commit for d in out.values()), out
+    assert time.monotonic() - t0 < 10

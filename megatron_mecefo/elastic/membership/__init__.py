@@ -56,7 +56,7 @@ class Membership:
         self.hb_timeout = heartbeat_timeout_s
         self.agree_timeout = agree_timeout_s
         self.liveness = Liveness(store, rank, heartbeat_timeout_s)
-        self.joins = Joins(store, rank, self.whole)
+        self.joins = Joins(store, rank, self.whole, self.liveness)
         self.heartbeat = Heartbeat(store, connect, rank, interval_s=heartbeat_interval_s,
                                    timeout_s=heartbeat_timeout_s, on_beat=self._check_excluded)
         self._watch: Optional[int] = None
@@ -119,7 +119,7 @@ class Membership:
     # -- agreement ----------------------------------------------------------------------------------
 
     def agree(self, generation: int, candidates: Sequence[int], step: Optional[int], info: Optional[str] = None,
-              summarize: Optional[Callable[[Dict[int, str]], str]] = None) -> Agreement:
+              summarize: Optional[Callable[[Dict[int, str]], str]] = None, reduced: bool = False) -> Agreement:
         """Agree with the other live candidates on the members of `generation` (agreement.py).
 
         Call on every survivor (and admitted joiner) with the same `candidates`. `step` is the step
@@ -128,7 +128,9 @@ class Membership:
         sends it) and the joiners, who must receive it before the generation trains: a rank without
         state never trains or votes. `info` (a string, e.g. this rank's measured costs) is posted
         with the check-in; the agreement carries the members' posts, or `summarize(posts)` of the
-        publisher (one string for any N), so every member reads the same.
+        publisher (one string for any N), so every member reads the same. `reduced`: this rank
+        also holds the reduced gradients of step `step` (its commit was not confirmed); if a member
+        committed that step, the agreement names it `rolled`: it commits the step too.
 
         Returns:
             The agreed Agreement; its members contain this rank.
@@ -144,9 +146,9 @@ class Membership:
             JobAborted: another rank gave up meanwhile.
             NotAMember: the agreed list leaves this rank out (it was presumed failed).
         """
-        return agree(self.store, self.liveness, generation, candidates, step, timeout_s=self.agree_timeout,
+        return agree(self.store, self.liveness, self.heartbeat, generation, candidates, step, timeout_s=self.agree_timeout,
                      interval_s=self.hb_interval, whole=self.whole, check_job=self.check_job,
-                     asking_to_join=self.joins.asking, info=info, summarize=summarize)
+                     asking_to_join=self.joins.asking, info=info, summarize=summarize, reduced=reduced)
 
     def members_of(self, generation: int) -> List[int]:
         """The agreed members of an earlier generation."""
@@ -165,8 +167,9 @@ class Membership:
         A decision that does not come within agree_timeout_s is replaced by abort (compare-and-set:
         if a commit got there first, it stands).
         """
-        return decide(self.store, self.liveness, generation, step, members, ok, timeout_s=self.agree_timeout,
-                      interval_s=self.hb_interval, check_job=self.check_job, joiners=self.joins.pending)
+        return decide(self.store, self.heartbeat, generation, step, members, ok, timeout_s=self.agree_timeout,
+                      hb_timeout_s=self.hb_timeout, check_job=self.check_job,
+                      joiners=lambda members: self.joins.pending(members, generation))
 
     def pending_joiners(self, members: Sequence[int], world: int) -> List[int]:
         """Restarted ranks that asked to join and are not members, by whole replicas."""
@@ -186,12 +189,12 @@ class Membership:
         hold the state); return whether the whole generation formed. One outcome for all members
         (compare-and-set): with tensor or pipeline parallelism each position forms its own group,
         and a position whose group failed must not leave the others training without it."""
-        return formed(self.store, self.liveness, generation, members, timeout_s=self.agree_timeout,
-                      interval_s=self.hb_interval, check_job=self.check_job)
+        return formed(self.store, self.heartbeat, generation, members, timeout_s=self.agree_timeout,
+                      hb_timeout_s=self.hb_timeout, check_job=self.check_job)
 
     # -- joins --------------------------------------------------------------------------------------
 
-    def request_join(self, deadline: float) -> int:
+    def request_join(self, deadline: float, announced: Optional[Callable[[], None]] = None) -> int:
         """Announce this restarted rank; return the generation it is admitted to.
 
         Raises:
@@ -201,7 +204,7 @@ class Membership:
                 rank or send it the state); the job is marked failed.
             JoinTimeout: not admitted by `deadline` (time.monotonic(); the rank's start + join_timeout_s).
         """
-        return self.joins.request(self.liveness, self.check_job, deadline)
+        return self.joins.request(self.liveness, self.check_job, deadline, announced)
 
     def orphan_watch(self) -> OrphanWatch:
         """A check for a rank waiting outside the job (admission.OrphanWatch)."""

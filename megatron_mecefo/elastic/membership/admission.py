@@ -24,10 +24,11 @@ POLL_S = 0.1
 class Joins:
     """What one rank knows of the join requests (see the module docstring)."""
 
-    def __init__(self, store, rank: int, whole: Callable[[Iterable[int]], List[int]]) -> None:
-        self.store, self.rank, self.whole = store, rank, whole
+    def __init__(self, store, rank: int, whole: Callable[[Iterable[int]], List[int]], liveness: Liveness) -> None:
+        self.store, self.rank, self.whole, self.liveness = store, rank, whole, liveness
         self._count = 0
         self._logged: List[int] = []
+        self._pending: tuple = (None, [])
 
     def _requests(self) -> List[int]:
         count = int(self.store.add(keys.JOIN_COUNT, 0))
@@ -36,12 +37,17 @@ class Joins:
             self._logged = keys.parse_join_log(self.store.get(keys.JOIN_LOG))
         return self._logged
 
-    def pending(self, members: Sequence[int]) -> List[int]:
-        """Restarted ranks that asked to join and are not members, by whole replicas: a replica is
-        admitted once all its ranks wait. One store call when nobody asked since the last call."""
-        waiting = [r for r in self._requests() if r not in members
-                   and self.store.get(keys.join(r)).decode() != "admitted"]
-        return sorted(set(self.whole(set(members) | set(waiting))) - set(members))
+    def pending(self, members: Sequence[int], generation: Optional[int] = None) -> List[int]:
+        """Restarted ranks that asked to join, are not members and are alive, by whole replicas: a
+        replica is admitted once all its ranks wait. One store call when nobody asked since the last
+        call for the same members of the same generation."""
+        requests = self._requests()
+        key = (self._count, tuple(members), generation)
+        if self._pending[0] != key:
+            waiting = [r for r in requests if r not in members and self.store.get(keys.join(r)).decode() != "admitted"]
+            waiting = self.liveness.scan(waiting) if waiting else []
+            self._pending = (key, sorted(set(self.whole(set(members) | set(waiting))) - set(members)))
+        return self._pending[1]
 
     def asking(self, ranks: Sequence[int]) -> set:
         """Among `ranks`, restarted incarnations waiting to be named for a generation: they come in at
@@ -53,13 +59,16 @@ class Joins:
                 out.add(r)
         return out
 
-    def request(self, liveness: Liveness, check_job: Callable[[], None], deadline: float) -> int:
+    def request(self, liveness: Liveness, check_job: Callable[[], None], deadline: float,
+                announced: Optional[Callable[[], None]] = None) -> int:
         """Announce this restarted rank; return the generation it is admitted to (Membership.request_join)."""
         store, me = self.store, self.rank
         store.set(keys.joinee(me), "")
         store.delete_key(keys.exited(me))
         liveness.forget()
         announce(store, me)
+        if announced is not None:
+            announced()
         watch = OrphanWatch(store, liveness, check_job)
         while True:
             value = store.get(keys.joinee(me)).decode()

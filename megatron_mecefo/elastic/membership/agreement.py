@@ -25,7 +25,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence
 import torch.distributed as dist
 
 from megatron_mecefo.elastic.membership import keys
-from megatron_mecefo.elastic.membership.liveness import Liveness
+from megatron_mecefo.elastic.membership.liveness import ABSENT, Heartbeat, Liveness, poke_key, settle
 from megatron_mecefo.errors import AgreementTimeout, NoCoverAvailable, NotAMember, StateLost
 
 __all__ = ["Agreement", "agree"]
@@ -52,81 +52,147 @@ class Agreement:
     """What the members posted with their check-in, by rank (only without `summarize`)."""
     summary: Optional[str] = None
     """`summarize(posts)` of the publisher: identical on every member, one string for any N."""
+    rolled: tuple = ()
+    """Members that checked in with the reduced gradients of step - 1, which a member committed:
+    they commit it too (not joiners; not donors until they have)."""
 
     @property
     def holders(self) -> tuple:
-        return tuple(r for r in self.members if r not in self.joiners)
+        """The members holding the state of `step` now (a donor is one of them)."""
+        return tuple(r for r in self.members if r not in self.joiners and r not in self.rolled)
 
 
-def agree(store: dist.Store, liveness: Liveness, generation: int, candidates: Sequence[int], step: Optional[int], *,
-          timeout_s: float, interval_s: float, whole: Callable, check_job: Callable[[], None],
+def agree(store: dist.Store, liveness: Liveness, heartbeat: Heartbeat, generation: int, candidates: Sequence[int],
+          step: Optional[int], *, timeout_s: float, interval_s: float, whole: Callable, check_job: Callable[[], None],
           asking_to_join: Callable[[Sequence[int]], set], info: Optional[str] = None,
-          summarize: Optional[Callable[[Dict[int, str]], str]] = None) -> Agreement:
+          summarize: Optional[Callable[[Dict[int, str]], str]] = None, reduced: bool = False) -> Agreement:
     """Agree with the other live candidates on the members of `generation` (Membership.agree)."""
     me = liveness.rank
-    store.append(keys.checkins(generation), keys.checkin_line(me, -1 if step is None else step, info))
+    agreed_key = keys.agreed(generation)
+    store.append(keys.checkins(generation), keys.checkin_line(me, -1 if step is None else step, info, reduced))
     deadline = time.monotonic() + timeout_s
-    agreed_key, publisher_key = keys.agreed(generation), keys.publisher(generation)
     candidates = sorted(set(candidates) | {me})
-    publisher = int(store.compare_set(publisher_key, "", str(me)))  # the first to check in publishes
-    next_scan, live, asking, delay = 0.0, set(candidates), set(), POLL_S
-    slice_s = max(0.05, liveness.timeout_s / 2)
-    while True:
+    dead: set = set()  # publishers presumed dead before this rank took over
+    if int(store.add(keys.arrivals(generation), 1)) == 1:  # the first to check in publishes
+        store.set(keys.publisher(generation), str(me))
+    else:
+        watch = _PublisherWatch(generation, me, liveness.timeout_s)
+        while not watch.publishing:
+            heartbeat.vigil = watch
+            try:
+                store.wait([watch.poke], timedelta(seconds=max(0.01, deadline + 2 * liveness.timeout_s - time.monotonic())))
+            except dist.DistStoreError:
+                raise AgreementTimeout(
+                    f"[gen {generation} rank {me}] no agreement on the survivors within {timeout_s:.0f} s "
+                    "(mecefo.agree_timeout_s) + 2 heartbeat timeouts") from None
+            finally:
+                heartbeat.vigil = None
+            raw = store.compare_set(agreed_key, ABSENT, ABSENT)  # the agreement, if there is one
+            if raw != ABSENT.encode():
+                return _adopt(raw, generation, me)
+            check_job()
+            watch.woken()
+        dead = watch.dead
+    next_scan, live, asking = 0.0, set(candidates), set()
+    while True:  # the publisher
         now = time.monotonic()
         if now > deadline + 2 * liveness.timeout_s:
             raise AgreementTimeout(
                 f"[gen {generation} rank {me}] no agreement on the survivors within {timeout_s:.0f} s "
                 "(mecefo.agree_timeout_s) + 2 heartbeat timeouts")
-        if publisher != me:
-            try:
-                store.wait([agreed_key], timedelta(seconds=slice_s))
-                break
-            except dist.DistStoreError:  # still none: is the publisher alive?
-                check_job()
-                if not liveness.scan([publisher]):  # take over (one of the waiters wins)
-                    publisher = int(store.compare_set(publisher_key, str(publisher), str(me)))
-                continue
         if store.check([agreed_key]):
             break
         raw = store.get(keys.checkins(generation))
-        checked, posts = keys.parse_checkins(raw)
+        checked, posts, holding = keys.parse_checkins(raw)
         if now >= next_scan:  # one scan of everyone per interval, by the publisher only
             next_scan = now + interval_s
             check_job()
-            live = set(liveness.scan(candidates))
+            live = set(liveness.scan(candidates + [r for r in checked if r not in candidates])) - dead
             asking = asking_to_join([r for r in candidates if r not in checked])
         pending = [r for r in candidates if r in live - asking and r not in checked]
-        voters = [r for r in sorted(checked) if r in live - asking and r in candidates]
+        voters = [r for r in sorted(checked) if r in live - asking]  # a joiner named meanwhile checks in too
         # past the deadline, go on without ranks that never checked in (they may rejoin later)
         if voters and (not pending or now > deadline):
-            _publish(store, liveness, generation, candidates, checked, posts, voters, pending, live - asking, asking,
-                     whole, summarize, timeout_s)
+            _publish(store, liveness, generation, candidates, checked, posts, holding, voters, pending, live - asking,
+                     asking, whole, summarize, timeout_s)
             continue
         time.sleep(max(POLL_S, len(raw) / READ_BYTES_PER_S))  # a long log is read less often
     return _adopt(store.get(agreed_key), generation, me)
 
 
-def _publish(store, liveness, generation, candidates, checked, posts, voters, pending, live, asking, whole, summarize,
-             timeout_s) -> None:
+class _PublisherWatch:
+    """The vigil of a candidate waiting for the agreement (from its heartbeat thread, each beat):
+    wakes it once the agreement is out (a check-in the publisher did not see) or the job ended, and
+    once the publisher is presumed dead, claims the publishing (compare-and-set) and wakes it."""
+
+    def __init__(self, generation: int, rank: int, timeout_s: float) -> None:
+        self.generation, self.rank, self._timeout_s = generation, rank, timeout_s
+        self.wakes = 0
+        self.poke = self._poke()
+        self.publishing = False
+        self.dead: set = set()
+        """Publishers this rank saw presumed dead (the one that takes over leaves them out)."""
+        self._liveness: Optional[Liveness] = None
+
+    def _poke(self) -> str:
+        return poke_key(keys.agreed(self.generation), self.rank) + (f"/{self.wakes}" if self.wakes else "")
+
+    def woken(self) -> None:
+        """The training thread woke without an agreement: it publishes now, or waits again."""
+        self.wakes += 1
+        self.poke = self._poke()
+
+    def __call__(self, store: dist.Store) -> None:
+        g = self.generation
+        if store.check([keys.agreed(g)]) or store.check([keys.JOB_FAILED]) or store.check([keys.JOB_FINISHED]):
+            store.set(self.poke, "1")
+            return
+        if not store.check([keys.publisher(g)]):
+            return
+        publisher = int(store.get(keys.publisher(g)))
+        if self._liveness is None or self._liveness.store is not store:
+            self._liveness = Liveness(store, self.rank, self._timeout_s)
+        if not self._liveness.scan([publisher]):
+            logger.warning("[gen %d rank %d] the publisher of the agreement, rank %d, is presumed dead (%s)", g,
+                           self.rank, publisher, self._liveness.why_dead(publisher))
+            self.dead.add(publisher)
+            if int(store.compare_set(keys.publisher(g), str(publisher), str(self.rank))) == self.rank:
+                self.publishing = True
+                store.set(self.poke, "1")
+
+
+def _publish(store, liveness, generation, candidates, checked, posts, holding, voters, pending, live, asking, whole,
+             summarize, timeout_s) -> None:
     agreed_key = keys.agreed(generation)
     members = whole(voters)  # a replica with a lost rank retires whole
     steps = [checked[r] for r in members if checked[r] >= 0]
     if steps:
         newest = max(steps)
-        agreed = {"members": keys.encode_ranks(members),
-                  "joiners": keys.encode_ranks(r for r in members if checked[r] != newest), "step": newest}
+        # a member that reduced the step some member committed commits it too, with its own gradients
+        rolled = [r for r in members if r in holding and checked[r] == newest - 1]
+        agreed = {"members": keys.encode_ranks(members), "rolled": keys.encode_ranks(rolled), "step": newest,
+                  "joiners": keys.encode_ranks(r for r in members if checked[r] != newest and r not in rolled)}
         mine = {r: posts[r] for r in members if r in posts}
         if summarize is not None:
             agreed["summary"] = summarize(mine)
         else:
             agreed["info"] = {str(r): v for r, v in mine.items()}
-        if store.compare_set(agreed_key, "", json.dumps(agreed)).decode() == json.dumps(agreed):
+        if _settle(store, generation, json.dumps(agreed)):
             _explain(liveness, generation, candidates, members, checked, live, asking, timeout_s)
     elif any(checked[r] >= 0 for r in voters):  # the state lives on in broken replicas only
-        store.compare_set(agreed_key, "", json.dumps({"members": [], "joiners": [], "step": -1,
-                                                               "voters": keys.encode_ranks(voters)}))
+        _settle(store, generation, json.dumps({"members": [], "joiners": [], "step": -1,
+                                               "voters": keys.encode_ranks(voters)}))
     elif not pending:  # nobody left who could bring the state
-        store.compare_set(agreed_key, "", json.dumps({"lost": True, "members": keys.encode_ranks(voters)}))
+        _settle(store, generation, json.dumps({"lost": True, "members": keys.encode_ranks(voters)}))
+
+
+def _settle(store, generation: int, value: str) -> bool:
+    """Publish `value` unless an agreement stands, and wake everyone who checked in (read again
+    after the publishing: a late check-in is in it). Returns whether `value` stands."""
+    stands = store.compare_set(keys.agreed(generation), "", value).decode() == value
+    checked, _, _ = keys.parse_checkins(store.get(keys.checkins(generation)))
+    settle(store, keys.agreed(generation), value, list(checked))
+    return stands
 
 
 def _adopt(raw: bytes, generation: int, me: int) -> Agreement:
@@ -146,7 +212,8 @@ def _adopt(raw: bytes, generation: int, me: int) -> Agreement:
             f"[gen {generation} rank {me}] left out of generation {generation} (presumed failed; members "
             f"{agreed['members']}); this rank must stop")
     return Agreement(tuple(agreed["members"]), tuple(agreed["joiners"]), int(agreed["step"]),
-                     {int(r): v for r, v in agreed.get("info", {}).items()}, agreed.get("summary"))
+                     {int(r): v for r, v in agreed.get("info", {}).items()}, agreed.get("summary"),
+                     tuple(agreed.get("rolled", ())))
 
 
 def _explain(liveness: Liveness, generation, candidates, members, checked, live, asking, timeout_s) -> None:

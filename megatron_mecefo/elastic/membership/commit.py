@@ -18,7 +18,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from megatron_mecefo.elastic.membership import keys
-from megatron_mecefo.elastic.membership.liveness import Liveness, await_key
+from megatron_mecefo.elastic.membership.liveness import Heartbeat, await_key, settle
 
 __all__ = ["Decision", "decide", "formed", "abort_step", "not_formed"]
 
@@ -35,24 +35,24 @@ class Decision:
     next_generation: Optional[int] = None
 
 
-def decide(store, liveness: Liveness, generation: int, step: int, members: Sequence[int], ok: bool, *,
-           timeout_s: float, interval_s: float, check_job: Callable[[], None],
+def decide(store, heartbeat: Heartbeat, generation: int, step: int, members: Sequence[int], ok: bool, *,
+           timeout_s: float, hb_timeout_s: float, check_job: Callable[[], None],
            joiners: Callable[[Sequence[int]], list]) -> Decision:
     """Vote ok/abort for this step and return the one decision all members follow (Membership.decide)."""
     key = keys.decision(generation, step)
     if not ok:
-        store.compare_set(key, "", ABORT)
+        settle(store, key, ABORT, members)
     elif int(store.add(keys.oks(generation, step), 1)) >= len(members):  # the last ok: decide
         admitted = joiners(members)
         decision = {"commit": True, "joiners": admitted}
         if admitted:
             decision["next_generation"] = generation + 1
             store.set(keys.candidates(generation + 1), ",".join(map(str, sorted(set(members) | set(admitted)))))
-        if store.compare_set(key, "", json.dumps(decision)).decode() == json.dumps(decision):
+        if settle(store, key, json.dumps(decision), members).decode() == json.dumps(decision):
             for j in admitted:
                 store.set(keys.joinee(j), str(generation + 1))
-    raw = await_key(store, liveness, key, members, deadline=time.monotonic() + timeout_s, on_dead=ABORT,
-                    on_deadline=ABORT, interval_s=interval_s, check_job=check_job)
+    raw = await_key(store, heartbeat, key, members, deadline=time.monotonic() + timeout_s, on_dead=ABORT,
+                    on_deadline=ABORT, timeout_s=hb_timeout_s, check_job=check_job)
     d = json.loads(raw)
     return Decision(d["commit"], tuple(d.get("joiners", ())), d.get("next_generation"))
 
@@ -73,13 +73,13 @@ def not_formed(store, generation: int) -> bool:
     return store.check([key]) and store.get(key).decode() == "no"
 
 
-def formed(store, liveness: Liveness, generation: int, members: Sequence[int], *, timeout_s: float,
-           interval_s: float, check_job: Callable[[], None]) -> bool:
+def formed(store, heartbeat: Heartbeat, generation: int, members: Sequence[int], *, timeout_s: float,
+           hb_timeout_s: float, check_job: Callable[[], None]) -> bool:
     """Report that this member's group of `generation` is built (and its joiners hold the state);
     return whether the whole generation formed (Membership.formed)."""
     key = keys.formed(generation)
     if int(store.add(keys.ready(generation), 1)) >= len(members):
-        store.compare_set(key, "", "yes")
-    raw = await_key(store, liveness, key, members, deadline=time.monotonic() + timeout_s, on_dead="no",
-                    on_deadline="no", interval_s=interval_s, check_job=check_job)
+        settle(store, key, "yes", members)
+    raw = await_key(store, heartbeat, key, members, deadline=time.monotonic() + timeout_s, on_dead="no",
+                    on_deadline="no", timeout_s=hb_timeout_s, check_job=check_job)
     return raw.decode() == "yes"

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from typing import Dict, List, Optional, Tuple
 
-EXITED = -1
-"""A heartbeat value: the launcher saw the rank's process end abnormally (dead at once, not after
-heartbeat_timeout_s). A restarted incarnation starts its counter again."""
+# A heartbeat below 0: the launcher saw the rank's process end abnormally (dead at once, not after
+# heartbeat_timeout_s). The mark keeps the counter's magnitude and a restarted incarnation goes on
+# above it (Heartbeat.start), so an observer never sees an old value again and takes it for a stall.
 
 JOB_FAILED = "job/failed"
 """The reason a rank gave up: every waiting rank and the launcher read it and end."""
@@ -25,7 +25,7 @@ JOIN_COUNT = "join/count"
 
 
 def hb(rank: int) -> str:
-    """A counter the rank's heartbeat thread bumps; 0: not started yet; EXITED: its process ended."""
+    """A counter the rank's heartbeat thread bumps; 0: not started yet; below 0: its process ended."""
     return f"hb/{rank}"
 
 
@@ -50,6 +50,11 @@ def checkins(generation: int) -> str:
 
 def agreed(generation: int) -> str:
     return f"gen{generation}/agreed"
+
+
+def arrivals(generation: int) -> str:
+    """Counts the check-ins of an agreement: the first to check in publishes."""
+    return f"gen{generation}/arrivals"
 
 
 def publisher(generation: int) -> str:
@@ -81,9 +86,14 @@ def oks(generation: int, step: int) -> str:
     return f"gen{generation}/step{step}/oks"
 
 
+def admit(generation: int, step: int) -> str:
+    """The restarted ranks a replicated commit of this step admits (the lowest member writes them)."""
+    return f"gen{generation}/step{step}/admit"
+
+
 def mark_exited(store, rank: int, incarnation: Optional[int] = None) -> None:
-    """What a launcher writes when a rank's process ends abnormally."""
-    store.set(hb(rank), str(EXITED))
+    """What a launcher writes when a rank's process ends abnormally (after it ended: nothing beats)."""
+    store.set(hb(rank), str(-(abs(int(store.add(hb(rank), 0))) + 1)))
     store.set(exited(rank), "1")
     if incarnation is not None:  # a replica's rendezvous reads it (replica.py); never cleared
         store.set(f"exited/{rank}/{incarnation}", "1")
@@ -94,21 +104,25 @@ def failure(reason: str, rank: int, **fields) -> str:
     return json.dumps({"reason": reason, "rank": rank, **fields})
 
 
-def checkin_line(rank: int, step: int, info: Optional[str]) -> str:
-    return json.dumps([rank, step, info]) + "\n"
+def checkin_line(rank: int, step: int, info: Optional[str], reduced: bool = False) -> str:
+    return json.dumps([rank, step, info, reduced]) + "\n"
 
 
-def parse_checkins(raw: bytes) -> Tuple[Dict[int, int], Dict[int, str]]:
-    """(rank -> step, rank -> info) of an appended check-in log (the first check-in of a rank counts)."""
+def parse_checkins(raw: bytes) -> Tuple[Dict[int, int], Dict[int, str], set]:
+    """(rank -> step, rank -> info, the ranks holding their step's reduced gradients) of an appended
+    check-in log (the first check-in of a rank counts)."""
     steps: Dict[int, int] = {}
     info: Dict[int, str] = {}
+    reduced = set()
     for line in raw.decode().splitlines():
-        rank, step, posted = json.loads(line)
+        rank, step, posted, held = json.loads(line)
         if rank not in steps:
             steps[rank] = step
             if posted is not None:
                 info[rank] = posted
-    return steps, info
+            if held:
+                reduced.add(rank)
+    return steps, info, reduced
 
 
 def parse_join_log(raw: bytes) -> List[int]:
@@ -135,7 +149,7 @@ def decode_ranks(runs) -> List[int]:
 def read_agreement(raw: bytes) -> dict:
     """A published agreement, its rank lists decoded."""
     agreed = json.loads(raw)
-    for field in ("members", "joiners", "voters"):
+    for field in ("members", "joiners", "voters", "rolled"):
         if field in agreed:
             agreed[field] = decode_ranks(agreed[field])
     return agreed

@@ -2,13 +2,17 @@
 
 * Each rank bumps `hb/{rank}` from a thread every heartbeat_interval_s (one store call). A rank is
   presumed failed when its counter has not moved for heartbeat_timeout_s of the observer's clock (no
-  clock sync), at once when the launcher marked it EXITED; a SIGSTOPped rank's counter stops too.
+  clock sync), at once when the launcher marked its exit (a value below 0, keys.mark_exited); a
+  SIGSTOPped rank's counter stops too.
 * A scan reads any number of heartbeats in one call (`multi_get`).
 * `await_key`: every member waits for one key (a decision, a generation formed) server-side
-  (`store.wait`), except one watcher, the lowest member not presumed dead, which scans the others
-  once per interval and sets the key when one of them is dead. A member wakes every half heartbeat
-  timeout to check the members below it, and takes the watch over when they are all dead. So a wait
-  costs each member O(1) calls, and the whole job one scan per interval.
+  (`store.wait` on a poke key that whoever sets the key sets for all members in one call). Its
+  heartbeat thread keeps a vigil meanwhile: the lowest member not presumed dead scans the others
+  once per beat and settles the key when one of them is dead; every other member checks a few
+  members below it, and takes the watch over when they are all dead. So a wait costs each member
+  O(1) calls, and the job one scan per beat. No wait on the training thread's connection times
+  out early: a timed-out `wait` on a libuv TCPStore server (torch 2.13's default) can stall that
+  connection's next calls by 5 s when other clients wait too (measured; docs/design.md).
 
 The heartbeat thread also refreshes what the training thread must not ask the store for itself on
 every collective: whether its current step was declared failed (`Heartbeat.aborted`).
@@ -69,7 +73,7 @@ class Liveness:
         values = self.store.multi_get([keys.hb(r) for r in others])
         for r, raw in zip(others, values):
             value = int(raw)
-            if value == keys.EXITED:
+            if value < 0:  # the launcher's exit mark
                 self.seen[r] = (value, float("-inf"))
                 continue
             if value == 0:
@@ -87,7 +91,7 @@ class Liveness:
         last = self.seen.get(rank)
         if last is None:
             return "no heartbeat"
-        if last[0] == keys.EXITED:
+        if last[0] < 0:
             return "its process exited"
         return f"no heartbeat for {time.monotonic() - last[1]:.1f} s"
 
@@ -109,10 +113,14 @@ class Heartbeat:
         self._thread: Optional[threading.Thread] = None
         self._abort_key: Optional[str] = None
         self._aborted_key: Optional[str] = None
+        self.vigil: Optional[Callable[[dist.Store], None]] = None
+        """What the training thread asks this thread to watch while it waits (await_key)."""
 
     def start(self) -> None:
-        # a restarted incarnation starts over from a value the launcher may have marked EXITED
-        self.store.set(keys.hb(self.rank), "1")
+        # a restarted incarnation goes on above the launcher's exit mark (keys.mark_exited)
+        value = int(self.store.add(keys.hb(self.rank), 1))
+        if value <= 0:
+            self.store.set(keys.hb(self.rank), str(1 - value + 1))
         self._thread = threading.Thread(target=self._run, name=f"mecefo-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
 
@@ -145,6 +153,9 @@ class Heartbeat:
                     self._aborted_key = key
                 if self._on_beat is not None:
                     self._on_beat(store)
+                vigil = self.vigil
+                if vigil is not None:
+                    vigil(store)
             except Exception:
                 store = None
                 failing_since = failing_since or time.monotonic()
@@ -154,46 +165,95 @@ class Heartbeat:
                 return
 
 
-def await_key(store: dist.Store, liveness: Liveness, key: str, members: Sequence[int], *, deadline: float,
-              on_dead: str, on_deadline: str, interval_s: float, check_job: Callable[[], None],
-              below: Optional[Callable[[], List[int]]] = None) -> bytes:
-    """Wait until `key` is set by a member, and return its value (see the module docstring).
+def poke_key(key: str, rank: int) -> str:
+    """What `rank` waits for server-side while it waits for `key` (see `await_key`)."""
+    return f"{key}/poke/{rank}"
 
-    Args:
-        members: the members waiting for it; the lowest one not presumed dead watches the others.
-        deadline: time.monotonic() past which `key` is set to `on_deadline` (compare-and-set: a
-            value that got there first stands).
-        on_dead: what the watcher sets `key` to once a member is presumed dead.
-        check_job: raises when the job ended (called at each wake-up).
-        below: the members that watch before this one (default: the lower members).
+
+def settle(store: dist.Store, key: str, value: str, members: Sequence[int]) -> bytes:
+    """Set `key` to `value` unless it is set (compare-and-set), then wake every member waiting for
+    it (one call for all of them). Returns the value that stands."""
+    current = store.compare_set(key, "", value)
+    ranks = sorted(members)
+    store.multi_set([poke_key(key, r) for r in ranks], ["1"] * len(ranks))
+    return current
+
+
+class Vigil:
+    """What the heartbeat thread watches while the training thread waits for `key` (each beat, on
+    the heartbeat's own connection): `key` set without a poke, the job's end, and, on the lowest
+    member not presumed dead, the others' heartbeats (then it settles `key` to `on_dead`). Every
+    other member checks only the few members below it, so a beat costs the job O(N) calls."""
+
+    BELOW = 4
+    """How many of the members below it a waiting member checks per beat."""
+
+    def __init__(self, key: str, members: Sequence[int], rank: int, timeout_s: float, on_dead: Optional[str]) -> None:
+        self.key, self.members, self.rank, self.on_dead = key, sorted(members), rank, on_dead
+        self.poke = poke_key(key, rank)
+        self._wakes = 0
+        self._timeout_s = timeout_s
+        self._liveness: Optional[Liveness] = None
+        self._dead: set = set()
+
+    def woken(self) -> None:
+        """The waiter woke with `key` still unset: the next wake needs a fresh poke key."""
+        self._wakes += 1
+        self.poke = f"{poke_key(self.key, self.rank)}/{self._wakes}"
+
+    def __call__(self, store: dist.Store) -> None:
+        if store.check([self.key]) or store.check([keys.JOB_FAILED]) or store.check([keys.JOB_FINISHED]):
+            store.set(self.poke, "1")
+            return
+        if self.on_dead is None:
+            return
+        if self._liveness is None or self._liveness.store is not store:
+            self._liveness = Liveness(store, self.rank, self._timeout_s)
+        below = [r for r in self.members if r < self.rank and r not in self._dead][:self.BELOW]
+        if below:
+            alive = self._liveness.scan(below)
+            self._dead |= set(below) - set(alive)
+            if alive or [r for r in self.members if r < self.rank and r not in self._dead]:
+                return
+        if len(self._liveness.scan(self.members)) < len(self.members):  # this rank watches: one scan of all
+            logger.warning("[rank %d] a member of %s is presumed dead: %s", self.rank, self.key, self.on_dead)
+            settle(store, self.key, self.on_dead, self.members)
+
+
+ABSENT = "<absent>"
+"""compare_set's expected value that no key holds: `compare_set(key, ABSENT, ABSENT)` reads a key
+in one call if it exists, and returns ABSENT otherwise."""
+
+
+def await_key(store: dist.Store, heartbeat: "Heartbeat", key: str, members: Sequence[int], *, deadline: float,
+              on_dead: Optional[str], on_deadline: str, timeout_s: float, check_job: Callable[[], None]) -> bytes:
+    """Wait until `key` is set, and return its value (see the module docstring): O(1) calls.
+
+    The training thread waits server-side for its poke (`settle` wakes every member at once; a
+    rank that sets `key` otherwise leaves it to the waiters' heartbeat threads, one beat later),
+    with no timed-out wait before `deadline` (time.monotonic(); then `key` is set to `on_deadline`
+    by compare-and-set: a value that got there first stands). The heartbeat thread keeps the vigil
+    (`Vigil`: a dead member settles `key` to `on_dead`; None: nobody watches the members), and
+    wakes it when the job ended (`check_job` raises then).
     """
-    me = liveness.rank
-    members = sorted(members)
-    below = below or (lambda: [r for r in members if r < me])
-    watching = not below()
-    next_scan, delays = 0.0, backoff()
-    slice_s = max(0.05, liveness.timeout_s / 2)
-    while True:
-        now = time.monotonic()
-        if now > deadline:
-            if store.compare_set(key, "", on_deadline).decode() == on_deadline:
-                logger.warning("[rank %d] %s was not set in time: %s", me, key, on_deadline)
-            break
-        if watching:
-            if store.check([key]):
-                break
-            if now >= next_scan:
-                next_scan = now + interval_s
-                check_job()
-                if len(liveness.scan(members)) < len(members):
-                    store.compare_set(key, "", on_dead)
-                    continue
-            time.sleep(next(delays))
-            continue
-        try:
-            store.wait([key], timedelta(seconds=max(0.01, min(slice_s, deadline - now))))
-            break
-        except dist.DistStoreError:  # not set yet: is anyone below still watching?
+    vigil = Vigil(key, members, heartbeat.rank, timeout_s, on_dead)
+    heartbeat.vigil = vigil
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                value = store.compare_set(key, "", on_deadline)
+                if value.decode() == on_deadline:
+                    logger.warning("[rank %d] %s was not set in time: %s", heartbeat.rank, key, on_deadline)
+                return value
+            try:
+                store.wait([vigil.poke], timedelta(seconds=remaining))
+            except dist.DistStoreError:
+                continue
+            value = store.compare_set(key, ABSENT, ABSENT)
+            if value != ABSENT.encode():
+                return value
             check_job()
-            watching = not liveness.scan(below())
-    return store.get(key)
+            vigil.woken()
+    finally:
+        heartbeat.vigil = None
