@@ -75,7 +75,7 @@ def build_dp_group(store: dist.Store, generation: int, members: Sequence[int], r
     Returns:
         A torch.distributed backend ProcessGroup (gloo or NCCL) of size len(members).
     """
-    prefix = dist.PrefixStore(f"mecefo/gen{generation}/dp/{tag}", store)
+    prefix = dist.PrefixStore(f"mecefo/gen{generation}/dp/{tag}", getattr(store, "raw", store))
     size, me = len(members), dense_rank(members, rank)
     if backend == "gloo":  # connects in its constructor, bounded by `timeout`
         group = dist.ProcessGroupGloo(prefix, me, size, timeout)

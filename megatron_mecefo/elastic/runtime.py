@@ -145,8 +145,9 @@ class ElasticRuntime:
         self.incarnation = incarnation
         self.injector = injector
         timeout = timedelta(seconds=config.agree_timeout_s)
-        self.store, self.job_id = job_store.attach(store_host, store_port, rank=rank, incarnation=incarnation,
-                                                   job_id=job.job_id, timeout=timeout)
+        store, self.job_id = job_store.attach(store_host, store_port, rank=rank, incarnation=incarnation,
+                                              job_id=job.job_id, timeout=timeout)
+        self.store = job_store.CountingStore(store)  # each step record says how many calls its step made
         hb_timeout = timedelta(seconds=max(10.0, config.heartbeat_timeout_s))
         self.membership = Membership(
             self.store, lambda: job_store.job_store(job_store.client(store_host, store_port, hb_timeout), self.job_id), rank,
@@ -267,7 +268,7 @@ class ElasticRuntime:
         self._error_time = self._error_wall = None
         self._ran, self._admit = None, False
         self._issued = ()
-        self._t_step = time.monotonic()
+        self._t_step, self._calls = time.monotonic(), self.store.calls
         self.membership.watch_step(self.generation, self.step)
         self._costs.begin()
 
@@ -457,7 +458,8 @@ class ElasticRuntime:
 
     def _write_step(self, step: int, record: Dict[str, Any]) -> None:
         """`record` holds `_as_ran()`'s fields (a step committed after a regroup ran in the last one)."""
-        self.steps_log.write("step", step=step, step_time_s=time.monotonic() - self._t_step, **record)
+        self.steps_log.write("step", step=step, step_time_s=time.monotonic() - self._t_step,
+                             store_calls=self.store.calls - self._calls, **record)
 
     def _voted_commit(self, ok: bool, record: Dict[str, Any]) -> bool:
         decision = self.membership.decide(self.generation, self.step, self.members, ok, self.world)

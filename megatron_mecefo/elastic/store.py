@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megatron_mecefo.errors import JobConflict
 
 __all__ = ["JOB_KEY", "new_job_id", "listen_socket", "host_store", "client", "job_store", "read_job", "attach",
-           "describe_busy_port", "request_stop"]
+           "describe_busy_port", "request_stop", "CountingStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -185,3 +185,30 @@ def request_stop(host: str, port: int) -> dict:
     info = read_job(raw, f"{host}:{port}", wait_s=5.0)
     raw.set(STOP_KEY, "1")
     return info
+
+
+class CountingStore:
+    """A store client that counts its calls (`calls`, and `on_call()` per call): what each step
+    record's `store_calls` reports, and how tests and benchmarks/control_plane.py measure the control
+    plane. `raw` is the client itself, for the torch.distributed APIs that need a real Store."""
+
+    CALLS = frozenset({"set", "get", "add", "check", "compare_set", "wait", "multi_get", "multi_set", "append",
+                       "delete_key", "num_keys"})
+
+    def __init__(self, store, on_call=None) -> None:
+        self.raw = getattr(store, "raw", store)
+        self.calls = 0
+        self._on_call = on_call
+
+    def __getattr__(self, name):
+        attr = getattr(self.raw, name)
+        if name not in self.CALLS:
+            return attr
+
+        def call(*args, **kwargs):
+            self.calls += 1
+            if self._on_call is not None:
+                self._on_call()
+            return attr(*args, **kwargs)
+
+        return call
