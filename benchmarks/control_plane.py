@@ -5,8 +5,11 @@ separate process (as the launcher or `mecefo-store` serves a job's). Every store
 training thread is counted; its heartbeat thread's calls are counted apart. For each N, the code of
 this tree ("new") and of an earlier commit ("baseline", read from git) run side by side:
 
-  healthy     every member votes ok for one step (Membership.decide): calls per step, in total
-              and on the busiest member, and the time until every member has the decision
+  healthy     every member votes ok for one step (Membership.decide: the baseline's commit, and
+              this tree's with a sharded optimizer state): calls per step, in total and on the
+              busiest member, and the time until every member has the decision
+  healthy_replicated  this tree's healthy step with a replicated optimizer state (no vote: the
+              lowest member's join-count read and progress mark)
   failure     one member's process exited (the launcher's mark); the survivors vote abort and
               agree on the next generation: calls and time until every survivor has it
   admission   a restarted member asks to join; the members commit steps until one names it, then
@@ -108,7 +111,28 @@ class Job:
         return total, busiest
 
 
+def healthy_replicated(impl, port, n, steps):
+    """The store calls of a healthy step with a replicated optimizer state: the commit is the
+    confirmation all-reduce (no store); the lowest member asks whether restarted ranks wait
+    (`ElasticRuntime._admission`) and marks the progress (`_committed`). The launcher path counts
+    the same in each step record's `store_calls` (tests/elastic/test_fault_tolerance.py)."""
+    job = Job(impl, port, n, f"replicated{n}{impl.__name__}")
+    job.calls()
+    members = list(range(n))
+    lowest = job.members[0]
+    t0 = time.monotonic()
+    for s in range(steps):
+        assert lowest.joins.pending(members, 0) == []
+        lowest.store.set(keys.PROGRESS, str(s + 1))
+    wall = time.monotonic() - t0
+    total, busiest = job.calls()
+    job.stop()
+    return {"calls": total / steps, "busiest": busiest / steps, "s": wall / steps}
+
+
 def healthy(impl, port, n, steps):
+    """A healthy step's vote (Membership.decide): the baseline's commit, and this tree's with a
+    sharded optimizer state."""
     job = Job(impl, port, n, f"healthy{n}{impl.__name__}")
     job.calls()  # the members' start
     members = list(range(n))
@@ -208,7 +232,7 @@ def plot(result, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for impl, style in (("baseline", "--"), ("new", "-")):
         rows = [r for r in result["runs"] if r["impl"] == impl]
-        for what, color in (("healthy", "C0"), ("failure", "C3"), ("admission", "C2")):
+        for what, color in (("healthy_replicated", "C1"), ("healthy", "C0"), ("failure", "C3"), ("admission", "C2")):
             pts = [(r["n"], r[what]) for r in rows if r.get(what)]
             if not pts:
                 continue
@@ -258,6 +282,8 @@ def main(argv=None) -> int:
             if name == "baseline" and n > args.baseline_max:
                 continue
             row = {"impl": name, "n": n}
+            if name == "new":
+                row["healthy_replicated"] = healthy_replicated(impl, port, n, args.steps)
             row["healthy"] = healthy(impl, port, n, args.steps if name == "new" or n <= 64 else 1)
             row["failure"] = failure(impl, port, n)
             row["admission"] = admission(impl, port, n)

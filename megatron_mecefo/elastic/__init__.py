@@ -7,7 +7,7 @@ Start at step.py: its docstring walks one step, healthy and with a peer dying in
 * reduction.py  the step's reduction across replicas: flat, sharded, or overlapped in buckets
 * runtime.py    ElasticRuntime: the error latch, the commit, recovery and give-up
 * formation.py  forming a generation: agree, build the groups, re-shard, hand joiners the state
-* membership.py heartbeats, agreement on members, the per-step commit decision (store-backed)
+* membership/   the control plane (store-backed): liveness, agreement, the sharded state's vote, admission
 * groups.py     data-parallel process groups per generation
 * topology.py   pure: rank grid, ring neighbour, cover map
 * fold.py       pure: micro-batches per replica, gradient divisors, sample ranges

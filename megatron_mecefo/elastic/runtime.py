@@ -12,8 +12,11 @@
         # else: a peer failed; the survivors regrouped; redo the same step (gradients are zeroed)
 
 Inside a step errors are latched (`report_error`), later collectives become no-ops, and `commit()`
-decides once for everybody: the optimizer step is taken by all members or by none, so replicas stay
-bit-identical. A failed step is redone whole by the new generation. Restarted ranks are admitted at
+decides for everybody: the step commits where its confirmation all-reduce completed (with a sharded
+optimizer state: where the members' vote in the store says so), a member whose confirmation failed
+after the others' completed commits it late at the agreement, so every member takes the optimizer
+step or none does and replicas stay bit-identical. A failed step is redone whole by the new
+generation. Restarted ranks are admitted at
 step boundaries and receive the training state from a member (`state=`).
 
 Tensor and pipeline parallelism: a replica is the T*P ranks of one data-parallel index (topology.py).

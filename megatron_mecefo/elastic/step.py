@@ -27,18 +27,21 @@ D replicas of T * P ranks each):
    closed" within a fraction of a second of a SIGKILL, and a hung (SIGSTOPped) peer makes it time
    out after `collective_timeout_s`. `Reduction` (reduction.py) latches the error in the runtime
    (`runtime.report_error`); the step's later collectives are skipped. A rank that is not in a
-   failing collective learns it from the store: every wait polls the step's decision key
-   (`runtime.step_aborted`), the launcher marks a crashed rank `exited/{rank}` at once, and the
-   heartbeat thread (membership.py) presumes a rank failed once its counter stalls for
-   `heartbeat_timeout_s`. A failed collective inside the replica (T or P > 1) raises ReplicaLost
-   (`replica_collectives`): rank 3's replica mates leave the job (exit 4) to rejoin together.
-2. Abort. `finish` still calls `runtime.commit()`: each member votes (ok only if its reduction
-   succeeded) and the lowest live member decides once, with compare-and-set (membership.decide).
-   An abort means nobody steps the optimizer (replicas stay bit-identical); `finish` zeroes the
-   gradients and returns False.
-3. Agreement (`runtime._recover`, membership.agree): the survivors destroy the generation's group
-   and check in for generation g+1; the lowest live rank publishes the members. A failure during
-   the agreement restarts it, not the job.
+   failing collective learns it from its heartbeat thread, which watches the step's failure mark
+   (`runtime.step_aborted`, no store call of its own); the launcher marks a crashed rank's
+   heartbeat at once, and a rank is presumed failed once its counter stalls for
+   `heartbeat_timeout_s` (membership/liveness.py). A failed collective inside the replica (T or
+   P > 1) raises ReplicaLost (`replica_collectives`): rank 3's replica mates leave the job (exit 4)
+   to rejoin together.
+2. No commit. `finish` still calls `runtime.commit()`: a member commits only where the step's
+   confirmation all-reduce completed (every member reduced), which a dead rank prevents; a
+   sharded optimizer state is voted in the store instead (membership/commit.py). Nobody steps
+   the optimizer (replicas stay bit-identical); `finish` zeroes the gradients and returns False.
+   A member whose confirmation failed after the others' completed keeps its gradients, and commits
+   the step late when the agreement says a member did.
+3. Agreement (`runtime._recover`, membership/agreement.py): the survivors destroy the generation's
+   group and check in for generation g+1; the first to check in publishes the members. A failure
+   during the agreement restarts it, not the job.
 4. Regroup (formation.py, `Formation.form`): a data-parallel group per (tp, pp) position over the store's
    `gen{g+1}` prefix (groups.py); a sharded optimizer state re-sharded over the survivors from the
    neighbour copies (zero.py); the new cover map (topology.ring_cover: rank 3's replica's ring

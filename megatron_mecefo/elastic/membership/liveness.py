@@ -113,6 +113,7 @@ class Heartbeat:
         self._thread: Optional[threading.Thread] = None
         self._abort_key: Optional[str] = None
         self._aborted_key: Optional[str] = None
+        self._asked = float("-inf")
         self.vigil: Optional[Callable[[dist.Store], None]] = None
         """What the training thread asks this thread to watch while it waits (await_key)."""
 
@@ -134,7 +135,9 @@ class Heartbeat:
         self._abort_key = key
 
     def aborted(self, key: str) -> bool:
-        """Whether a beat saw `key` set (at most heartbeat_interval_s old; no store call)."""
+        """Whether a beat saw `key` set (at most heartbeat_interval_s old; no store call). Beats
+        check `key` only while this is being asked (a collective is waited for)."""
+        self._asked = time.monotonic()
         return self._aborted_key == key
 
     def _run(self) -> None:
@@ -149,7 +152,8 @@ class Heartbeat:
                 store.add(keys.hb(self.rank), 1)
                 failing_since = None
                 key = self._abort_key
-                if key is not None and key != self._aborted_key and store.check([key]):
+                if key is not None and key != self._aborted_key and \
+                        time.monotonic() - self._asked < 2 * self.interval_s and store.check([key]):
                     self._aborted_key = key
                 if self._on_beat is not None:
                     self._on_beat(store)
