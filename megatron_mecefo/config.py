@@ -154,8 +154,9 @@ class MeCeFOConfig:
     """A rank whose heartbeat has not moved for this long is presumed failed (crash or hang)."""
     agree_timeout_s: float = 120.0
     """How long survivors wait for every candidate to check in to a new generation (the others are
-    left out and rejoin later); a commit decision not made within it becomes an abort. Must exceed
-    collective_timeout_s. With no plan 2 x heartbeat_timeout_s later, the job gives up."""
+    left out and rejoin later); a voted commit decision not made within it becomes an abort. Must
+    exceed collective_timeout_s and twice heartbeat_timeout_s. With no plan 2 x heartbeat_timeout_s
+    later, the job gives up."""
     join_timeout_s: float = 600.0
     """How long a restarted rank waits, from its start, to be let back in (a trace's down time
     included); with tensor or pipeline parallelism also how long a rank waits for the other ranks of
@@ -231,6 +232,12 @@ class MeCeFOConfig:
                 f"{self._where('agree_timeout_s')} must exceed collective_timeout_s ({self.collective_timeout_s}): "
                 f"survivors wait for peers still blocked in a collective; got {self.agree_timeout_s}"
             )
+        if self.agree_timeout_s <= 2 * self.heartbeat_timeout_s:
+            raise ValueError(
+                f"{self._where('agree_timeout_s')} must exceed twice heartbeat_timeout_s ({self.heartbeat_timeout_s}): "
+                "an agreement waits for a hung rank until its heartbeat is presumed dead, and a waiting rank "
+                f"takes over from a hung publisher only after that; got {self.agree_timeout_s}. Raise "
+                "agree_timeout_s or lower heartbeat_timeout_s")
         if self.restart_failed_after is not None:
             value = self.restart_failed_after
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

@@ -139,6 +139,8 @@ def test_runtime_timeouts_are_checked_together():
         MeCeFOConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=1.5)
     with pytest.raises(ValueError, match="agree_timeout_s.*must exceed collective_timeout_s"):
         MeCeFOConfig(collective_timeout_s=60, agree_timeout_s=30)
+    with pytest.raises(ValueError, match="agree_timeout_s.*must exceed twice heartbeat_timeout_s.*lower heartbeat"):
+        MeCeFOConfig(collective_timeout_s=4, heartbeat_timeout_s=5, agree_timeout_s=8)
     with pytest.raises(ValueError, match="--mecefo-collective-timeout-s must be a number > 0"):
         MeCeFOConfig(collective_timeout_s=0)
 

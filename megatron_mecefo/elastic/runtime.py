@@ -392,43 +392,48 @@ class ElasticRuntime:
         if self.sharding is not None:  # every shard steps or none does: voted in the store
             return self._voted_commit(ok, record)
         step, ran = self.step, self._as_ran()
-        if ok and self._confirm():
+        if self._confirm(ok):
             self._committed(step, {**ran, **record}, admit=self._admit)
             return True
         if ok:  # reduced here; whether the others committed is known at the agreement
             self.log.warning("step %d reduced here but not confirmed by every member; holding its gradients "
                              "until the survivors agree", step)
-        else:  # peers still in this step's collectives stop waiting (their heartbeat thread sees it)
-            self.membership.abort_step(self.generation, step)
+        # peers still waiting in this step's collectives stop (their heartbeat thread sees the mark)
+        self.membership.abort_step(self.generation, step)
         if self._recover(reduced=ok):  # the others committed it: take the same step with these gradients
             self._committed(step, {**ran, **record}, admit=False)
             return True
         return False
 
-    def _confirm(self) -> bool:
+    def _confirm(self, reduced: bool) -> bool:
         """The commit's collective: the MIN over the data-parallel group of "every rank of my
-        replica reduced" (with T or P > 1: a MIN over the replica first, and once more after, so
-        every rank of a replica commits alike). True: every member holds this step's reduced
-        gradients and commits it. False: this rank does not commit now; it keeps its gradients,
-        and the agreement that follows says whether a member committed the step (then it commits
-        it too) or none did (then the step is redone)."""
+        replica reduced" (with T or P > 1: a MIN over the replica first, which every rank of the
+        replica joins whatever its own reduction did, and once more after, so a replica commits
+        alike). True: every member holds this step's reduced gradients and commits it. False: this
+        rank does not commit now; if it `reduced`, it keeps its gradients, and the agreement that
+        follows says whether a member committed the step (then it commits it too) or none did (then
+        the step is redone). A replica that did not all reduce stays out of the data-parallel
+        confirmation, which then completes nowhere."""
         multi = self.grid.tp * self.grid.pp > 1
-        flag = torch.ones(1, device=self._device())
-        try:
-            if multi:
-                with self.replica_collectives(self.step):
-                    flag.fill_(groups.replica_min(1.0))
-            groups.allreduce_min_(self.group, flag, should_abort=self.step_aborted)
-            self.fire("commit")
-        except MeCeFOError:
-            raise
-        except Exception as e:  # gloo: connection closed / timed out; an injected error
-            self.report_error(e)
-            flag.zero_()
+        flag = 1.0 if reduced else 0.0
         if multi:
             with self.replica_collectives(self.step):
-                flag.fill_(groups.replica_min(float(flag.item())))
-        return float(flag.item()) == 1.0
+                flag = groups.replica_min(flag)
+        if flag == 1.0:
+            t = torch.ones(1, device=self._device())
+            try:
+                groups.allreduce_min_(self.group, t, should_abort=self.step_aborted)
+                self.fire("commit")
+                flag = float(t.item())
+            except MeCeFOError:
+                raise
+            except Exception as e:  # gloo: connection closed / timed out; an injected error
+                self.report_error(e)
+                flag = 0.0
+        if multi:
+            with self.replica_collectives(self.step):
+                flag = groups.replica_min(flag)
+        return flag == 1.0
 
     def _device(self):
         return torch.device("cuda", torch.cuda.current_device()) if self._formation.backend == "nccl" \
