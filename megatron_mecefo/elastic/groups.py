@@ -173,16 +173,17 @@ def allreduce_min_(group, tensor: torch.Tensor, should_abort: Optional[Callable[
     wait_(group.allreduce([tensor], opts), should_abort)
 
 
-def replica_min(value: float) -> float:
-    """MIN of `value` over this rank's replica: torch.distributed's default group, which spans the
-    replica's T x P ranks under MeCeFO (bootstrap.init_distributed). Raises on a failed rank."""
+def replica_min(values: Sequence[float]) -> list:
+    """Element-wise MIN of `values` over this rank's replica: torch.distributed's default group,
+    which spans the replica's T x P ranks under MeCeFO (bootstrap.init_distributed). Raises on a
+    failed rank."""
     if not dist.is_initialized():
         raise RuntimeError("tensor or pipeline parallelism needs torch.distributed initialised over the replica "
                            "(megatron_mecefo.elastic.bootstrap.init_distributed)")
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([value], dtype=torch.float32, device=device)
+    t = torch.tensor(list(values), dtype=torch.float32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return float(t.item())
+    return t.tolist()
 
 
 def allreduce_sum_async_(group, tensor: torch.Tensor):

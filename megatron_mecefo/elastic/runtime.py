@@ -165,7 +165,6 @@ class ElasticRuntime:
         self.step = 0
         self._t_start = time.monotonic()
         self._ran: Optional[int] = None  # micro-batches the members reported running this step
-        self._admit = False  # this step's commit admits the joiners named under its key
         self._counted = False  # this step's statistics carry the micro-batch count
         self._error: Optional[BaseException] = None
         self._error_time: Optional[float] = None
@@ -269,7 +268,7 @@ class ElasticRuntime:
                              self.cfg.join_timeout_s, self.events, self.log)
         self._error = None
         self._error_time = self._error_wall = None
-        self._ran, self._admit = None, False
+        self._ran = None
         self._issued = ()
         self._t_step, self._calls = time.monotonic(), self.store.calls
         self.membership.watch_step(self.generation, self.step)
@@ -341,17 +340,14 @@ class ElasticRuntime:
 
     def step_statistics(self, micro_batches: Optional[int]) -> List[float]:
         """What the runtime needs summed with the step's statistics: the micro-batches this rank
-        ran (the commit checks the whole global batch ran), and whether restarted ranks are to be
-        admitted at this step's end (the lowest member's word: every member learns it here, with no
-        store call of its own). The step's compute time ends here."""
+        ran (the commit checks the whole global batch ran). The step's compute time ends here."""
         self._costs.end(self._micro_batches_run())
         self._counted = micro_batches is not None
-        return ([float(micro_batches)] if micro_batches is not None else []) + [float(self._admission())]
+        return [float(micro_batches)] if micro_batches is not None else []
 
     def take_statistics(self, summed: List[float]) -> List[float]:
         """The summed `step_statistics` taken off the end of `summed`; returns the rest."""
         summed = list(summed)
-        self._admit = summed.pop() > 0
         if self._counted:
             self._ran = int(round(summed.pop()))
         return summed
@@ -392,8 +388,9 @@ class ElasticRuntime:
         if self.sharding is not None:  # every shard steps or none does: voted in the store
             return self._voted_commit(ok, record)
         step, ran = self.step, self._as_ran()
-        if self._confirm(ok):
-            self._committed(step, {**ran, **record}, admit=self._admit)
+        confirmed, admit = self._confirm(ok)
+        if confirmed:
+            self._committed(step, {**ran, **record}, admit=admit)
             return True
         if ok:  # reduced here; whether the others committed is known at the agreement
             self.log.warning("step %d reduced here but not confirmed by every member; holding its gradients "
@@ -405,7 +402,7 @@ class ElasticRuntime:
             return True
         return False
 
-    def _confirm(self, reduced: bool) -> bool:
+    def _confirm(self, reduced: bool) -> tuple:
         """The commit's collective: the MIN over the data-parallel group of "every rank of my
         replica reduced" (with T or P > 1: a MIN over the replica first, which every rank of the
         replica joins whatever its own reduction did, and once more after, so a replica commits
@@ -413,27 +410,31 @@ class ElasticRuntime:
         rank does not commit now; if it `reduced`, it keeps its gradients, and the agreement that
         follows says whether a member committed the step (then it commits it too) or none did (then
         the step is redone). A replica that did not all reduce stays out of the data-parallel
-        confirmation, which then completes nowhere."""
+        confirmation, which then completes nowhere.
+
+        The same collectives carry, as -MAX, whether the lowest member named restarted ranks to
+        admit at this step's end (`_admission`): every rank of every position learns it with no
+        store call of its own. Returns (confirmed, admit)."""
         multi = self.grid.tp * self.grid.pp > 1
-        flag = 1.0 if reduced else 0.0
+        flags = [1.0 if reduced else 0.0, -1.0 if reduced and self._admission() else 0.0]
         if multi:
             with self.replica_collectives(self.step):
-                flag = groups.replica_min(flag)
-        if flag == 1.0:
-            t = torch.ones(1, device=self._device())
+                flags = groups.replica_min(flags)
+        if flags[0] == 1.0:
+            t = torch.tensor(flags, device=self._device())
             try:
                 groups.allreduce_min_(self.group, t, should_abort=self.step_aborted)
                 self.fire("commit")
-                flag = float(t.item())
+                flags = t.tolist()
             except MeCeFOError:
                 raise
             except Exception as e:  # gloo: connection closed / timed out; an injected error
                 self.report_error(e)
-                flag = 0.0
+                flags = [0.0, 0.0]
         if multi:
             with self.replica_collectives(self.step):
-                flag = groups.replica_min(flag)
-        return flag == 1.0
+                flags = groups.replica_min(flags)
+        return flags[0] == 1.0, flags[0] == 1.0 and flags[1] < 0
 
     def _device(self):
         return torch.device("cuda", torch.cuda.current_device()) if self._formation.backend == "nccl" \
