@@ -223,6 +223,10 @@ def load_baseline(commit: str):
     return module
 
 
+LABELS = {"healthy_replicated": "healthy step, no vote", "healthy": "healthy step, vote",
+          "failure": "failure to agreed generation", "admission": "admission of a joiner"}
+
+
 def plot(result, path: Path) -> None:
     import matplotlib
 
@@ -237,8 +241,9 @@ def plot(result, path: Path) -> None:
             if not pts:
                 continue
             ns = [p[0] for p in pts]
-            axes[0].plot(ns, [p[1]["calls"] for p in pts], style, color=color, marker="o", label=f"{what} ({impl})")
-            axes[1].plot(ns, [p[1]["s"] for p in pts], style, color=color, marker="o", label=f"{what} ({impl})")
+            label = f"{LABELS[what]} ({impl}{', sharded state' if what == 'healthy' and impl == 'new' else ''})"
+            axes[0].plot(ns, [p[1]["calls"] for p in pts], style, color=color, marker="o", label=label)
+            axes[1].plot(ns, [p[1]["s"] for p in pts], style, color=color, marker="o", label=label)
     axes[0].set_ylabel("store calls (healthy: per step; failure, admission: per event)")
     axes[1].set_ylabel("seconds (healthy: per step)")
     for ax in axes:
@@ -261,7 +266,11 @@ def main(argv=None) -> int:
                    help="largest N the baseline runs at (its agreement costs 8N^2 calls: ~70 s at 256 here)")
     p.add_argument("--steps", type=int, default=3, help="healthy steps per N")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "control_plane.json")
+    p.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON only")
     args = p.parse_args(argv)
+    if args.replot:
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        return 0
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     threading.stack_size(512 * 1024)
