@@ -368,3 +368,38 @@ def test_the_vote_of_a_sharded_step_costs_each_member_three_calls_and_a_dead_wat
             m.stop()
     assert not any(d.commit for d in out.values()), out
     assert time.monotonic() - t0 < 10
+
+
+def test_a_store_that_pauses_for_less_than_the_heartbeat_timeout_declares_nobody_dead():
+    """The store's process is stopped (SIGSTOP) for 0.6 s, less than the 1.5 s heartbeat timeout,
+    while 4 members beat; then they agree: nobody is left out."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, free_port
+
+    port = free_port()
+    daemon = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.store_daemon", "--host", "127.0.0.1",
+                               "--port", str(port), "--grace", "0", "--idle-timeout", "0"], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert daemon.stdout.readline().startswith("ready: the store of job")
+        connect = lambda: dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,  # noqa: E731
+                                        timeout=timedelta(seconds=30))
+        members = [Membership(connect(), connect, r, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.5,
+                              agree_timeout_s=10.0) for r in range(4)]
+        for m in members:
+            m.start()
+        assert members[0].alive(range(4)) == [0, 1, 2, 3]
+        os.kill(daemon.pid, signal.SIGSTOP)
+        time.sleep(0.6)
+        os.kill(daemon.pid, signal.SIGCONT)
+        assert members[0].alive(range(4)) == [0, 1, 2, 3]
+        out = _in_threads(members, lambda m: m.agree(1, [0, 1, 2, 3], 3))
+        assert {p.members for p in out.values()} == {(0, 1, 2, 3)}, out
+        for m in members:
+            m.stop()
+    finally:
+        daemon.kill()
