@@ -6,7 +6,7 @@ from typing import NoReturn, Optional
 
 __all__ = [
     "MeCeFOError", "RankFailure", "GaveUp", "NoCoverAvailable", "StateLost", "AgreementTimeout", "JobAborted",
-    "NotAMember", "ReplicaLost", "JoinTimeout", "JobFinished", "IncompleteStep", "JobConflict", "GAVE_UP_EXIT_CODE",
+    "NotAMember", "ReplicaLost", "StoreLost", "JoinTimeout", "JobFinished", "IncompleteStep", "JobConflict", "GAVE_UP_EXIT_CODE",
     "USAGE_EXIT_CODE", "RETIRED_EXIT_CODE", "exit_now", "run_to_exit",
 ]
 
@@ -49,6 +49,16 @@ class StateLost(GaveUp):
 
 class AgreementTimeout(GaveUp):
     """Survivors did not agree on a new generation in time (mecefo.agree_timeout_s)."""
+
+
+class StoreLost(GaveUp):
+    """The job's store stopped answering for longer than heartbeat_timeout_s: no failure could be
+    absorbed any more. Every member commits the step it learnt it in and ends there; the lowest
+    member's replica writes the checkpoint (agreed without the store: `writer`)."""
+
+    def __init__(self, message: str, writer: Optional[int]) -> None:
+        super().__init__(message)
+        self.writer = writer
 
 
 class JobAborted(GaveUp):

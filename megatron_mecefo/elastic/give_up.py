@@ -23,12 +23,14 @@ waited for already: time for a shared file system to show them."""
 
 def write_checkpoint(store, grid: Grid, rank: int, *, step: int, has_state: bool,
                      save: Optional[Callable[[], str]], survivors: Optional[Sequence[int]],
-                     log: logging.LoggerAdapter) -> Optional[str]:
+                     log: logging.LoggerAdapter, writer: Optional[int] = None) -> Optional[str]:
     """Write the give-up checkpoint from this rank if its replica is the one; returns its path
     (None: another replica writes it, this one cannot, or it failed: the reason is logged).
 
     Args:
         survivors: the live ranks the failure left (None: unknown; the replica counts as whole).
+        writer: the replica that writes it, agreed without the store (the store is lost: nothing is
+            recorded there); None: the first whole replica to claim it in the store.
     """
     try:
         replica = grid.replica_of(rank)
@@ -38,10 +40,14 @@ def write_checkpoint(store, grid: Grid, rank: int, *, step: int, has_state: bool
             return None
         if not has_state or save is None:
             return None
-        if store.compare_set("job/checkpoint_writer", "", str(replica)).decode() != str(replica):
+        if writer is not None:
+            if writer != replica:
+                return None
+        elif store.compare_set("job/checkpoint_writer", "", str(replica)).decode() != str(replica):
             return None  # another replica writes it
         path = save()
-        store.set("job/checkpoint", json.dumps({"path": path, "step": step, "rank": rank}))
+        if writer is None:
+            store.set("job/checkpoint", json.dumps({"path": path, "step": step, "rank": rank}))
         log.error("checkpoint of step %d written to %s", step, path)
         return path
     except Exception as e:  # the give-up must not hang or mask the reason
@@ -63,7 +69,7 @@ class GiveUpCheckpoint:
         self._save, self._save_shards, self._sharding = save, save_shards, sharding
 
     def write(self, step: int, *, has_state: bool, survivors: Optional[Sequence[int]],
-              shard_peers: Optional[Sequence[int]] = None) -> Optional[str]:
+              shard_peers: Optional[Sequence[int]] = None, writer: Optional[int] = None) -> Optional[str]:
         """Write what this rank holds of the checkpoint of `step`; returns the checkpoint's path if
         this rank's replica wrote it (see write_checkpoint). `shard_peers`: this position's
         survivors where the give-up knows them better than `survivors` (a lost shard)."""
@@ -78,7 +84,7 @@ class GiveUpCheckpoint:
             if save is not None:
                 save = functools.partial(self._after_shards, step, shard_peers or survivors, save)
         return write_checkpoint(self.store, self.grid, self.rank, step=step, has_state=has_state, save=save,
-                                survivors=survivors, log=self.log)
+                                survivors=survivors, log=self.log, writer=writer)
 
     def _after_shards(self, step: int, survivors: Optional[Sequence[int]], save: Callable[[], str]) -> str:
         position = self.grid.position(self.rank)

@@ -53,6 +53,7 @@ from megatron_mecefo.elastic.replica import mark_started
 from megatron_mecefo.elastic.topology import CoverMap, Grid
 from megatron_mecefo.elastic.transfer import decode_state
 from megatron_mecefo.errors import (RETIRED_EXIT_CODE, GaveUp, IncompleteStep, JobAborted, MeCeFOError, NotAMember,
+                                    StoreLost,
                                     ReplicaLost, exit_now)
 from megatron_mecefo.log import EventLog, RankPrefix
 
@@ -169,6 +170,8 @@ class ElasticRuntime:
         self._error: Optional[BaseException] = None
         self._error_time: Optional[float] = None
         self._error_wall: Optional[float] = None  # wall clock of the first error, for the event log
+        self._store_error: Optional[float] = None  # when a store call of this rank's failed (time.time())
+        self._store_addr = f"{job.master_addr}:{job.master_port}"
         self._detected_wall: Optional[float] = None
         self._pending: Optional[tuple] = None  # (generation, candidates) to regroup into
         self._cover: Optional[CoverMap] = None
@@ -357,9 +360,14 @@ class ElasticRuntime:
         restarted ranks this step's commit admits, written under the step's key."""
         if self.sharding is not None or self.rank != min(self.members):
             return False  # a sharded state's commit is voted: its decider names the joiners
-        joiners = self.membership.joins.pending(self.members, self.generation)
-        if joiners:
-            self.store.set(keys.admit(self.generation, self.step), ",".join(map(str, joiners)))
+        try:
+            joiners = self.membership.joins.pending(self.members, self.generation)
+            if joiners:
+                self.store.set(keys.admit(self.generation, self.step), ",".join(map(str, joiners)))
+        except Exception as e:  # the store is gone: every member learns it in this confirmation
+            self._store_error = self._store_error or time.time()
+            self.log.error("the store did not answer: %s", e)
+            return False
         return bool(joiners)
 
     def step_aborted(self) -> bool:
@@ -388,7 +396,9 @@ class ElasticRuntime:
         if self.sharding is not None:  # every shard steps or none does: voted in the store
             return self._voted_commit(ok, record)
         step, ran = self.step, self._as_ran()
-        confirmed, admit = self._confirm(ok)
+        confirmed, admit, store_lost = self._confirm(ok)
+        if store_lost:  # every member learnt it in the same collectives: none commits this step
+            raise StoreLost(self._store_lost_message(step), writer=self.grid.replica_of(min(self.members)))
         if confirmed:
             self._committed(step, {**ran, **record}, admit=admit)
             return True
@@ -416,7 +426,8 @@ class ElasticRuntime:
         admit at this step's end (`_admission`): every rank of every position learns it with no
         store call of its own. Returns (confirmed, admit)."""
         multi = self.grid.tp * self.grid.pp > 1
-        flags = [1.0 if reduced else 0.0, -1.0 if reduced and self._admission() else 0.0]
+        flags = [1.0 if reduced else 0.0, -1.0 if reduced and self._admission() else 0.0,
+                 -1.0 if self._store_lost_since() is not None else 0.0]
         if multi:
             with self.replica_collectives(self.step):
                 flags = groups.replica_min(flags)
@@ -430,11 +441,23 @@ class ElasticRuntime:
                 raise
             except Exception as e:  # gloo: connection closed / timed out; an injected error
                 self.report_error(e)
-                flags = [0.0, 0.0]
+                flags = [0.0, 0.0, flags[2]]
         if multi:
             with self.replica_collectives(self.step):
                 flags = groups.replica_min(flags)
-        return flags[0] == 1.0, flags[0] == 1.0 and flags[1] < 0
+        return flags[0] == 1.0, flags[0] == 1.0 and flags[1] < 0, flags[2] < 0
+
+    def _store_lost_since(self) -> Optional[float]:
+        """When this rank found the store gone (its heartbeat thread, or a failed store call)."""
+        return self.membership.heartbeat.lost_since or self._store_error
+
+    def _store_lost_message(self, step: int, at_commit: bool = True) -> str:
+        since = self._store_lost_since()
+        seen = f"since {time.strftime('%H:%M:%S', time.localtime(since))} on this rank" if since else "on another rank"
+        ends = f"every member ends before committing step {step}" if at_commit else f"this rank ends at step {step}"
+        return (f"the job's store ({self._store_addr}) stopped answering ({seen}): no failure could be absorbed "
+                f"any more, so {ends}; restart the job from the checkpoint (and its store: mecefo-launch, or "
+                "mecefo-store)")
 
     def _device(self):
         return torch.device("cuda", torch.cuda.current_device()) if self._formation.backend == "nccl" \
@@ -443,8 +466,12 @@ class ElasticRuntime:
     def _committed(self, step: int, record: Dict[str, Any], admit: bool) -> None:
         """A committed step's bookkeeping: the progress mark, the step record, and the joiners its
         commit admits (named under the step's key by the lowest member, `_admission`)."""
-        if self.rank == min(self.members):
-            self.store.set(keys.PROGRESS, str(step + 1))  # read by trace-restarted ranks
+        if self.rank == min(self.members) and self._store_lost_since() is None:
+            try:
+                self.store.set(keys.PROGRESS, str(step + 1))  # read by trace-restarted ranks
+            except Exception as e:  # the next confirmation carries it
+                self._store_error = time.time()
+                self.log.error("the store did not answer: %s", e)
         if admit:
             joiners = [int(r) for r in self.store.get(keys.admit(self.generation, step)).decode().split(",")]
             candidates = sorted(set(self.members) | set(joiners))
@@ -596,6 +623,13 @@ class ElasticRuntime:
         except GaveUp as e:
             self._give_up(e)
             raise
+        except (torch.distributed.DistNetworkError, torch.distributed.DistStoreError) as e:
+            # the store failed under a call only a failure or an admission makes (a recovery, a group
+            # formation): with no agreed writer, the checkpoint is written only if the store answers
+            self._store_error = self._store_error or time.time()
+            lost = StoreLost(f"{self._store_lost_message(self.step, at_commit=False)} ({e})", writer=None)
+            self._give_up(lost)
+            raise lost from e
 
     def _give_up(self, error: GaveUp) -> None:
         """End this rank's part in a job that cannot go on: the first state holder to get here
@@ -605,7 +639,7 @@ class ElasticRuntime:
         if not isinstance(error, JobAborted):
             self.log.error("giving up: %s", reason)
         ckpt = self._checkpoint.write(self.step, has_state=self._has_state, survivors=getattr(error, "members", None),
-                                      shard_peers=getattr(error, "peers", None))
+                                      shard_peers=getattr(error, "peers", None), writer=getattr(error, "writer", None))
         error.checkpoint = ckpt
         try:
             self.membership.mark_failed(reason, generation=self.generation, step=self.step)

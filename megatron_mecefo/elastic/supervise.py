@@ -98,6 +98,7 @@ class Supervisor:
         self.ending: list = []
         self.end_deadline: Optional[float] = None
         self.unreachable_since: Optional[float] = None
+        self._said_unreachable = False
 
     # -- the store ---------------------------------------------------------------------------------
 
@@ -110,7 +111,9 @@ class Supervisor:
                     out["checkpoint"] = json.loads(self.client.get("job/checkpoint"))
                 return out
         except Exception as e:  # the store is unreachable: the local view decides
-            self.log.info("could not read the job's outcome from the store: %s", e)
+            if not self._said_unreachable:  # once: this is polled while the ranks end
+                self.log.info("could not read the job's outcome from the store: %s", e)
+                self._said_unreachable = True
         return None
 
     def job_finished(self) -> bool:

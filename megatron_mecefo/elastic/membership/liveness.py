@@ -116,6 +116,8 @@ class Heartbeat:
         self._asked = float("-inf")
         self.vigil: Optional[Callable[[dist.Store], None]] = None
         """What the training thread asks this thread to watch while it waits (await_key)."""
+        self.lost_since: Optional[float] = None
+        """When the store stopped answering (time.time()), once it failed for heartbeat_timeout_s."""
 
     def start(self) -> None:
         # a restarted incarnation goes on above the launcher's exit mark (keys.mark_exited)
@@ -164,6 +166,8 @@ class Heartbeat:
                 store = None
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since > self.timeout_s:
+                    # the training thread learns it at its next commit (ElasticRuntime._confirm)
+                    self.lost_since = time.time() - self.timeout_s
                     return
             if self._stop.wait(self.interval_s):
                 return
