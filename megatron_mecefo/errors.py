@@ -53,8 +53,9 @@ class AgreementTimeout(GaveUp):
 
 class StoreLost(GaveUp):
     """The job's store stopped answering for longer than heartbeat_timeout_s: no failure could be
-    absorbed any more. Every member commits the step it learnt it in and ends there; the lowest
-    member's replica writes the checkpoint (agreed without the store: `writer`)."""
+    absorbed any more. No member commits the step it learnt it in (they all learn it in that step's
+    confirmation); the lowest member's replica writes the checkpoint of the last committed step
+    (agreed without the store: `writer`; None: claimed in the store, if it still answers)."""
 
     def __init__(self, message: str, writer: Optional[int]) -> None:
         super().__init__(message)

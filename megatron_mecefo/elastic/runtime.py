@@ -53,8 +53,7 @@ from megatron_mecefo.elastic.replica import mark_started
 from megatron_mecefo.elastic.topology import CoverMap, Grid
 from megatron_mecefo.elastic.transfer import decode_state
 from megatron_mecefo.errors import (RETIRED_EXIT_CODE, GaveUp, IncompleteStep, JobAborted, MeCeFOError, NotAMember,
-                                    StoreLost,
-                                    ReplicaLost, exit_now)
+                                    ReplicaLost, StoreLost, exit_now)
 from megatron_mecefo.log import EventLog, RankPrefix
 
 __all__ = ["ElasticRuntime", "StateHooks", "StepPlan"]
@@ -365,8 +364,7 @@ class ElasticRuntime:
             if joiners:
                 self.store.set(keys.admit(self.generation, self.step), ",".join(map(str, joiners)))
         except Exception as e:  # the store is gone: every member learns it in this confirmation
-            self._store_error = self._store_error or time.time()
-            self.log.error("the store did not answer: %s", e)
+            self._store_failed(e)
             return False
         return bool(joiners)
 
@@ -424,7 +422,8 @@ class ElasticRuntime:
 
         The same collectives carry, as -MAX, whether the lowest member named restarted ranks to
         admit at this step's end (`_admission`): every rank of every position learns it with no
-        store call of its own. Returns (confirmed, admit)."""
+        store call of its own, and, as -1, whether a rank found the store lost (then no member
+        commits: `_commit` raises StoreLost everywhere). Returns (confirmed, admit, store_lost)."""
         multi = self.grid.tp * self.grid.pp > 1
         flags = [1.0 if reduced else 0.0, -1.0 if reduced and self._admission() else 0.0,
                  -1.0 if self._store_lost_since() is not None else 0.0]
@@ -446,6 +445,11 @@ class ElasticRuntime:
             with self.replica_collectives(self.step):
                 flags = groups.replica_min(flags)
         return flags[0] == 1.0, flags[0] == 1.0 and flags[1] < 0, flags[2] < 0
+
+    def _store_failed(self, error: BaseException) -> None:
+        if self._store_error is None:
+            self._store_error = time.time()
+            self.log.error("the store did not answer: %s", error)
 
     def _store_lost_since(self) -> Optional[float]:
         """When this rank found the store gone (its heartbeat thread, or a failed store call)."""
@@ -470,8 +474,7 @@ class ElasticRuntime:
             try:
                 self.store.set(keys.PROGRESS, str(step + 1))  # read by trace-restarted ranks
             except Exception as e:  # the next confirmation carries it
-                self._store_error = time.time()
-                self.log.error("the store did not answer: %s", e)
+                self._store_failed(e)
         if admit:
             joiners = [int(r) for r in self.store.get(keys.admit(self.generation, step)).decode().split(",")]
             candidates = sorted(set(self.members) | set(joiners))
@@ -626,7 +629,7 @@ class ElasticRuntime:
         except (torch.distributed.DistNetworkError, torch.distributed.DistStoreError) as e:
             # the store failed under a call only a failure or an admission makes (a recovery, a group
             # formation): with no agreed writer, the checkpoint is written only if the store answers
-            self._store_error = self._store_error or time.time()
+            self._store_failed(e)
             lost = StoreLost(f"{self._store_lost_message(self.step, at_commit=False)} ({e})", writer=None)
             self._give_up(lost)
             raise lost from e
