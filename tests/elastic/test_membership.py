@@ -403,3 +403,49 @@ def test_a_store_that_pauses_for_less_than_the_heartbeat_timeout_declares_nobody
             m.stop()
     finally:
         daemon.kill()
+
+
+def test_a_joiner_arriving_while_16_members_agree_is_left_for_the_next_step_boundary(store):
+    """Rank 5 of 16 died; its restart starts beating while the 15 survivors agree (keyed to half of
+    them having checked in), beats for a while without having asked to join (the window between a
+    restarted rank's heartbeat and its request), then asks. The survivors agree without it, well
+    before the deadline, and the request is not lost: the next commit names rank 5 a joiner."""
+    n, dead = 16, 5
+    survivors = [r for r in range(n) if r != dead]
+    members = _counted_members(store, n, collections.Counter(), beating=survivors)
+    store.add(keys.hb(dead), 1)  # it beat once, then died
+    time.sleep(0.6)  # longer than heartbeat_timeout_s: presumed dead
+    joined, stop = {}, threading.Event()
+
+    def restart():
+        while int(store.add(keys.arrivals(2), 0)) < n // 2 and not stop.is_set():
+            time.sleep(0.01)
+        m = members[dead]
+        m.start()
+        time.sleep(0.5)  # beating, not yet asking
+        try:
+            joined["generation"] = m.request_join(time.monotonic() + 60)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            joined["error"] = e
+
+    t = threading.Thread(target=restart, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        out = _in_threads([members[r] for r in survivors], lambda m: m.agree(2, list(range(n)), 7))
+        took = time.monotonic() - t0
+        assert {getattr(p, "members", p) for p in out.values()} == {tuple(survivors)}, out
+        assert took < 10, f"the agreement waited {took:.1f} s for the joiner (agree_timeout_s is 20 s)"
+        deadline = time.monotonic() + 10
+        while store.get(keys.join(dead)) != b"waiting" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert members[0].pending_joiners(survivors, n) == [dead]
+        assert not store.get(keys.joinee(dead)), "admitted outside a step boundary"
+        print(f"agreed in {took:.2f} s")
+        store.set(keys.joinee(dead), "3")  # what the commit that admits it writes
+        t.join(10)
+    finally:
+        stop.set()
+        for m in members:
+            m.stop()
+    assert joined == {"generation": 3}, joined
