@@ -38,19 +38,24 @@ def toy_reference(out: Path, world: int) -> dict:
     return torch.load(out / "reference.pt", weights_only=False)
 
 
-def toy_bound(schedule: chaos.Schedule) -> float:
-    return chaos.time_bound(faults=len(schedule.faults), restart_after=schedule.restart_after, startup_s=8.0,
-                            fault_free_s=20.0, **{k: v for k, v in TOY_TIMEOUTS.items() if k != "heartbeat_interval_s"})
+def toy_bound(schedule: chaos.Schedule, timeouts: Optional[dict] = None, startup_s: float = 8.0,
+              fault_free_s: float = 20.0) -> float:
+    return chaos.time_bound(faults=len(schedule.faults), restart_after=schedule.restart_after, startup_s=startup_s,
+                            fault_free_s=fault_free_s,
+                            **{k: v for k, v in (timeouts or TOY_TIMEOUTS).items() if k != "heartbeat_interval_s"})
 
 
 def run_toy(schedule: chaos.Schedule, out: Path, reference: Optional[dict], step_sleep: float = TOY["step_sleep"],
-            sharded: bool = False, cover: str = "neighbour") -> tuple:
+            sharded: bool = False, cover: str = "neighbour", timeouts: Optional[dict] = None,
+            startup_s: float = 8.0, fault_free_s: float = 20.0) -> tuple:
     """Run one schedule on the toy job (`sharded`: the Adam state sharded with neighbour copies;
-    `cover`: the cover policy); returns (outcome, violations, result)."""
+    `cover`: the cover policy; `timeouts`, `startup_s`, `fault_free_s`: for many ranks on few
+    cores); returns (outcome, violations, result)."""
+    timeouts = timeouts or TOY_TIMEOUTS
     script = [str(TOY_SCRIPT), "--out", str(out), "--steps", str(schedule.steps),
               "--k", str(TOY["k"]), "--mb", str(TOY["mb"]), "--step-sleep", str(step_sleep),
-              *EXACT, *timeout_flags(TOY_TIMEOUTS), *(["--sharded"] if sharded else []), "--mecefo-cover", cover]
-    bound = toy_bound(schedule) + 2 * step_sleep * TOY["k"] * schedule.steps
+              *EXACT, *timeout_flags(timeouts), *(["--sharded"] if sharded else []), "--mecefo-cover", cover]
+    bound = toy_bound(schedule, timeouts, startup_s, fault_free_s) + 2 * step_sleep * TOY["k"] * schedule.steps
     result = chaos.run_schedule(schedule, script, out, limit_s=bound + 60, cwd=str(ROOT))
     outcome, bad = chaos.check_run(result, out, schedule, k=TOY["k"], bound_s=bound)
     if outcome == "finished" and reference is not None:
