@@ -19,11 +19,14 @@ on 4 ranks, D=2 x T=2 and D=2 x P=2, one rank of replica 1 killed (its replica r
 covers on every stage).
 
     python benchmarks/recovery.py            # ~4 min; writes benchmarks/results/recovery.{json,png}
+    python benchmarks/recovery.py --baseline efb62c9   # + that commit's, each case run in turn (~8 min)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import json
 import statistics
 import subprocess
@@ -32,15 +35,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_mecefo.testing import baseline
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_gpt" / "train.py"
 
 
-def run_job(out: Path, world: int, steps: int, extra):
+def run_job(out: Path, world: int, steps: int, extra, tree: Path = ROOT):
+    """The example under mecefo-launch, from this tree or from a baseline's (`tree`)."""
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(world), "--master-port", "0",
-           str(EXAMPLE), "--out", str(out), "--steps", str(steps), *extra]
+           str(tree / EXAMPLE.relative_to(ROOT)), "--out", str(out), "--steps", str(steps), *extra]
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=tree, env=baseline.env_for(tree), capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"job failed:\n{proc.stderr[-3000:]}")
     return t0
@@ -50,7 +56,7 @@ def read(path: Path):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def measure(kind: str, args, victim: int = 1, at_step: int = 3):
+def measure(kind: str, args, victim: int = 1, at_step: int = 3, tree: Path = ROOT):
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
         run_job(out, args.world, args.steps, [
@@ -58,7 +64,7 @@ def measure(kind: str, args, victim: int = 1, at_step: int = 3):
             "--mecefo-collective-timeout-s", str(args.collective_timeout),
             "--mecefo-heartbeat-interval-s", str(args.heartbeat_interval),
             "--mecefo-heartbeat-timeout-s", str(args.heartbeat_timeout),
-        ])
+        ], tree)
         (inject,) = [e for e in read(out / f"events_rank{victim}.jsonl") if e["event"] == "inject"]
         leader = min(r for r in range(args.world) if r != victim)
         (regroup,) = [e for e in read(out / f"events_rank{leader}.jsonl") if e["event"] == "regroup" and e["generation"] == 1]
@@ -77,12 +83,12 @@ LAYOUTS = {"tp2": (["--tensor-model-parallel-size", "2"], 2), "pp2": (["--pipeli
 """layout -> (flags, the rank of replica 1 that is killed)"""
 
 
-def measure_layout(name: str, args, at_step: int = 4):
+def measure_layout(name: str, args, at_step: int = 4, tree: Path = ROOT):
     flags, victim = LAYOUTS[name]
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
         cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", "4", "--master-port", "0",
-               str(ROOT / "examples" / "pretrain_gpt" / "pretrain_gpt.py"), *flags, "--mecefo", "--mecefo-rank", "8",
+               str(tree / "examples" / "pretrain_gpt" / "pretrain_gpt.py"), *flags, "--mecefo", "--mecefo-rank", "8",
                "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--eval-interval", "10",
                "--eval-iters", "1", "--log-interval", "10", "--mecefo-log-dir", str(out),
@@ -90,7 +96,7 @@ def measure_layout(name: str, args, at_step: int = 4):
                "--mecefo-collective-timeout-s", str(args.collective_timeout),
                "--mecefo-heartbeat-interval-s", str(args.heartbeat_interval),
                "--mecefo-heartbeat-timeout-s", str(args.heartbeat_timeout)]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(cmd, cwd=tree, env=baseline.env_for(tree), capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"{name} job failed:\n{proc.stderr[-3000:]}")
         (inject,) = [e for e in read(out / f"events_rank{victim}.jsonl") if e["event"] == "inject"]
@@ -122,18 +128,39 @@ def main(argv=None):
     p.add_argument("--collective-timeout", type=float, default=5.0)
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
     p.add_argument("--heartbeat-timeout", type=float, default=2.0)
+    p.add_argument("--baseline", default=None, metavar="COMMIT",
+                   help="also measure every case on this earlier commit, each run beside this tree's")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "recovery.json")
     args = p.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        base_tree = stack.enter_context(baseline.checkout(args.baseline)) if args.baseline else None
+        run_all(args, base_tree)
 
-    results = {}
+
+def run_all(args, base_tree):
+    results, base = {}, {}
     for kind, label in (("kill", "crash"), ("hang", "hang")):
-        runs = [measure(kind, args) for _ in range(args.repeats)]
+        runs, old = [], []
+        for _ in range(args.repeats):
+            runs.append(measure(kind, args))
+            if base_tree is not None:
+                old.append(measure(kind, args, tree=base_tree))
         results[label] = {"runs": runs, **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
         print(f"{label}: " + ", ".join(f"{k} {results[label][k]:.3f}" for k in runs[0]), flush=True)
+        if old:
+            base[label] = {"runs": old, **{k: statistics.median(r[k] for r in old) for k in old[0]}}
+            print(f"{label} at {args.baseline}: " + ", ".join(f"{k} {base[label][k]:.3f}" for k in old[0]), flush=True)
     for name in LAYOUTS:
-        runs = [measure_layout(name, args) for _ in range(args.repeats)]
+        runs, old = [], []
+        for _ in range(args.repeats):
+            runs.append(measure_layout(name, args))
+            if base_tree is not None:
+                old.append(measure_layout(name, args, tree=base_tree))
         results[name] = {"runs": runs, **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
         print(f"{name} crash: " + ", ".join(f"{k} {results[name][k]:.3f}" for k in runs[0]), flush=True)
+        if old:
+            base[name] = {"runs": old, **{k: statistics.median(r[k] for r in old) for k in old[0]}}
+            print(f"{name} crash at {args.baseline}: " + ", ".join(f"{k} {base[name][k]:.3f}" for k in old[0]), flush=True)
     cold = statistics.median(cold_start(args) for _ in range(args.repeats))
     out = {
         "setup": {"job": "examples/tiny_gpt/train.py (Megatron-Core GPT, DeepSpeed engine, MeCeFO hook), gloo on loopback",
@@ -148,7 +175,10 @@ def main(argv=None):
         "layouts": {"setup": "examples/pretrain_gpt/pretrain_gpt.py, 4 ranks (D=2), 2 layers, hidden 64, a rank of "
                              "replica 1 killed in its backward at step 4",
                     **{name: results[name] for name in LAYOUTS}},
+        "date": datetime.date.today().isoformat(),
     }
+    if base:
+        out["baseline"] = {"commit": args.baseline, "runs": "interleaved with this tree's, one each in turn", **base}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     plot(out, args.out.with_suffix(".png"))

@@ -586,6 +586,7 @@ class ElasticRuntime:
                              "predicted, %d micro-batches approximated)", self.generation, self.members,
                              runners or "none", self.cfg.cover, new.plan.slowest / (self.k * new.plan.costs.exact),
                              new.plan.approximated)
+        self.membership.watch_liveness(self.members)
         if self.grid.tp * self.grid.pp > 1:
             self.membership.watch_exclusion(self.generation, self._excluded)
         return rolled

@@ -449,3 +449,51 @@ def test_a_joiner_arriving_while_16_members_agree_is_left_for_the_next_step_boun
         for m in members:
             m.stop()
     assert joined == {"generation": 3}, joined
+
+
+def _members(store, n, timeout_s):
+    connect = lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)  # noqa: E731
+    return [Membership(connect(), connect, r, heartbeat_interval_s=0.1, heartbeat_timeout_s=timeout_s,
+                       agree_timeout_s=20.0) for r in range(n)]
+
+
+def test_a_rank_the_watcher_saw_stalled_is_not_watched_again_by_the_publisher(store):
+    """Rank 3 of 4 hangs (its heartbeat stops) during a step. The generation's lowest member reports
+    it stalled once its counter has not moved for the heartbeat timeout; the agreement that follows
+    the collective's timeout leaves it out at once, where the publisher, which never looked at its
+    heartbeat before, would otherwise watch it for another heartbeat timeout (3 s here)."""
+    members = _members(store, 4, timeout_s=3.0)
+    for m in members:
+        m.start()
+        m.watch_liveness(range(4))
+    try:
+        time.sleep(0.3)
+        members[3].stop()  # hung: no more beats
+        deadline = time.monotonic() + 10
+        while b'"3"' not in (store.get(keys.STALE) if store.check([keys.STALE]) else b"") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        report = json.loads(store.get(keys.STALE))
+        assert list(report) == ["3"] and report["3"][1] >= 3.0, report
+        assert int(report["3"][0]) == int(store.add(keys.hb(3), 0))
+        t0 = time.monotonic()
+        out = _in_threads(members[:3], lambda m: m.agree(1, [0, 1, 2, 3], 7))
+        took = time.monotonic() - t0
+    finally:
+        for m in members:
+            m.stop()
+    assert {p.members for p in out.values()} == {(0, 1, 2)}, out
+    assert took < 1.5, f"the publisher watched the stalled rank again ({took:.1f} s)"
+
+
+def test_a_stall_report_is_trusted_only_while_the_counter_holds(store):
+    """A rank reported stalled that beat since (a store that paused, then answered) stays alive."""
+    members = _members(store, 3, timeout_s=0.5)
+    store.add(keys.hb(2), 5)
+    store.set(keys.STALE, json.dumps({"2": [4, 9.0]}))  # reported at counter 4; it is at 5 now
+    store.add(keys.hb(1), 1)
+    members[0].liveness.learn_stalls()
+    assert members[0].alive([1, 2]) == [1, 2]
+    store.set(keys.STALE, json.dumps({"2": [5, 9.0]}))  # the counter it still shows
+    members[0].liveness.forget()
+    members[0].liveness.learn_stalls()
+    assert members[0].alive([1, 2]) == [1]

@@ -6,7 +6,8 @@ keys.py is its schema. It knows nothing of models or gradients.
 Budgeted by N, the number of ranks, because one store serves the whole job (docs/design.md, "The
 control plane"; measured by benchmarks/control_plane.py):
 
-* liveness.py   heartbeats (one call per rank per interval), scanned once by one rank per wait;
+* liveness.py   heartbeats (one call per rank per interval), scanned once by one rank per wait
+                and by the generation's lowest member once per interval (the stall report);
                 `await_key`, the server-side wait every other wait is built on
 * agreement.py  a generation's members: one check-in per candidate, one publisher, O(N) in all
 * commit.py     the per-step vote and a generation's formed/not-formed: O(1) per member
@@ -28,7 +29,7 @@ from megatron_mecefo.elastic.membership import keys
 from megatron_mecefo.elastic.membership.admission import Joins, OrphanWatch, latest_agreement
 from megatron_mecefo.elastic.membership.agreement import Agreement, agree
 from megatron_mecefo.elastic.membership.commit import Decision, abort_step, decide, formed, not_formed
-from megatron_mecefo.elastic.membership.liveness import Heartbeat, Liveness
+from megatron_mecefo.elastic.membership.liveness import Heartbeat, Liveness, StallReport
 from megatron_mecefo.errors import JobAborted, JobFinished
 
 __all__ = ["Membership", "Decision", "Agreement", "OrphanWatch"]
@@ -58,7 +59,8 @@ class Membership:
         self.liveness = Liveness(store, rank, heartbeat_timeout_s)
         self.joins = Joins(store, rank, self.whole, self.liveness)
         self.heartbeat = Heartbeat(store, connect, rank, interval_s=heartbeat_interval_s,
-                                   timeout_s=heartbeat_timeout_s, on_beat=self._check_excluded)
+                                   timeout_s=heartbeat_timeout_s, on_beat=self._on_beat)
+        self._stall_report: Optional[StallReport] = None
         self._watch: Optional[int] = None
         self._on_excluded: Optional[Callable[[int, list], None]] = None
 
@@ -73,6 +75,18 @@ class Membership:
     def alive(self, ranks: Iterable[int]) -> List[int]:
         """The ranks among `ranks` presumed alive (one store call; see liveness.py)."""
         return self.liveness.scan(list(ranks))
+
+    def watch_liveness(self, members: Sequence[int]) -> None:
+        """Call when a generation forms: its lowest member's heartbeat thread then scans every member
+        once per beat and reports the stalled ones (liveness.StallReport)."""
+        members = sorted(members)
+        self._stall_report = StallReport(members, self.rank, self.hb_timeout) if members and members[0] == self.rank else None
+
+    def _on_beat(self, store: dist.Store) -> None:
+        self._check_excluded(store)
+        report = self._stall_report
+        if report is not None:
+            report(store)
 
     def watch_step(self, generation: int, step: int) -> None:
         """The heartbeat thread watches this step's decision from now on (`step_aborted`)."""

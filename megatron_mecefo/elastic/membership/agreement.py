@@ -3,8 +3,10 @@
 Each candidate appends one check-in (its rank, the step whose state it holds, -1 for none, and what
 it posts, e.g. its measured costs) to the generation's log, then waits server-side for the result.
 One candidate publishes: the first to check in (compare-and-set on `gen{g}/publisher`). It reads
-the whole log in one call per poll and scans the candidates' heartbeats once per interval; once every
-live candidate checked in (or the deadline passed) it publishes the agreement (members, joiners =
+the whole log in one call per poll, the heartbeats of the candidates it still waits for in one more
+(a launcher's exit mark ends the wait at once), and everyone's once per interval, starting from the
+ranks the generation's watcher reported stalled (liveness.StallReport); once every live candidate
+checked in (or the deadline passed) it publishes the agreement (members, joiners =
 members without the newest state, step) with compare-and-set, and everyone adopts the first one
 published. The others wake every half heartbeat timeout, check the publisher's heartbeat, and one of
 them takes over (compare-and-set) once it is presumed dead. So each candidate makes 4 calls (check
@@ -93,7 +95,7 @@ def agree(store: dist.Store, liveness: Liveness, heartbeat: Heartbeat, generatio
             check_job()
             watch.woken()
         dead = watch.dead
-    next_scan, live, asking = 0.0, set(candidates), set()
+    next_scan, live, asking, pending = 0.0, set(candidates), set(), []
     while True:  # the publisher
         now = time.monotonic()
         if now > deadline + 2 * liveness.timeout_s:
@@ -107,8 +109,11 @@ def agree(store: dist.Store, liveness: Liveness, heartbeat: Heartbeat, generatio
         if now >= next_scan:  # one scan of everyone per interval, by the publisher only
             next_scan = now + interval_s
             check_job()
+            liveness.learn_stalls()  # a rank the generation's watcher saw stalled is not watched again
             live = set(liveness.scan(candidates + [r for r in checked if r not in candidates])) - dead
             asking = asking_to_join([r for r in candidates if r not in checked])
+        elif pending:  # the ranks it waits for, every poll: a launcher's exit mark ends the wait at once
+            live -= set(pending) - set(liveness.scan(pending))
         pending = [r for r in candidates if r in live - asking and r not in checked]
         voters = [r for r in sorted(checked) if r in live - asking]  # a joiner named meanwhile checks in too
         # past the deadline, go on without ranks that never checked in (they may rejoin later)

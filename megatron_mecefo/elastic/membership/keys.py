@@ -22,6 +22,10 @@ JOIN_LOG = "join/log"
 """Ranks that asked to join, appended once per request (one read lists them)."""
 JOIN_COUNT = "join/count"
 """How many join requests there were: unchanged means no new joiner (one call per step, one rank)."""
+STALE = "hb/stale"
+"""The ranks whose heartbeat the watcher (the generation's lowest member) saw stalled, as JSON
+{rank: [counter, seconds stalled]}; written when that set changes. A publisher trusts an entry only
+while the counter still holds that value."""
 
 
 def hb(rank: int) -> str:

@@ -5,6 +5,11 @@
   clock sync), at once when the launcher marked its exit (a value below 0, keys.mark_exited); a
   SIGSTOPped rank's counter stops too.
 * A scan reads any number of heartbeats in one call (`multi_get`).
+* The generation's lowest member scans every member once per beat from its heartbeat thread
+  (`StallReport`, one call per interval in the job) and writes the ranks it saw stalled when that
+  set changes. An agreement's publisher starts from that report (`Liveness.learn_stalls`), so a
+  hung rank, stalled for the whole collective timeout before anyone looks, is not watched again
+  for heartbeat_timeout_s first.
 * `await_key`: every member waits for one key (a decision, a generation formed) server-side
   (`store.wait` on a poke key that whoever sets the key sets for all members in one call). Its
   heartbeat thread keeps a vigil meanwhile: the lowest member not presumed dead scans the others
@@ -20,6 +25,7 @@ every collective: whether its current step was declared failed (`Heartbeat.abort
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -30,9 +36,14 @@ import torch.distributed as dist
 
 from megatron_mecefo.elastic.membership import keys
 
-__all__ = ["Heartbeat", "Liveness", "await_key", "backoff"]
+__all__ = ["Heartbeat", "Liveness", "StallReport", "await_key", "backoff"]
 
 logger = logging.getLogger("megatron_mecefo.elastic.membership")
+
+
+ABSENT = "<absent>"
+"""compare_set's expected value that no key holds: `compare_set(key, ABSENT, ABSENT)` reads a key
+in one call if it exists, and returns ABSENT otherwise."""
 
 
 def backoff(first: float = 0.0002, last: float = 0.002):
@@ -87,6 +98,26 @@ class Liveness:
                 out.append(r)
         return sorted(out)
 
+    def stalls(self) -> Dict[int, list]:
+        """{rank: [counter, seconds it has not moved]} of the ranks seen stalled (exit marks apart)."""
+        now = time.monotonic()
+        return {r: [value, round(now - since, 3)] for r, (value, since) in self.seen.items()
+                if value > 0 and now - since >= self.timeout_s}
+
+    def learn_stalls(self, store: Optional[dist.Store] = None) -> None:
+        """Start from the watcher's report (keys.STALE, one call): a rank reported stalled at the
+        counter it still shows counts as stalled since then. A counter that moved meanwhile, or a
+        rank this view watched for longer, keeps this view's own observation."""
+        raw = (store or self.store).compare_set(keys.STALE, ABSENT, ABSENT)
+        if raw == ABSENT.encode():
+            return
+        now = time.monotonic()
+        for r, (value, seconds) in json.loads(raw).items():
+            r = int(r)
+            last = self.seen.get(r)
+            if last is None or (last[0] == value and last[1] > now - seconds):
+                self.seen[r] = (value, now - seconds)
+
     def why_dead(self, rank: int) -> str:
         last = self.seen.get(rank)
         if last is None:
@@ -94,6 +125,25 @@ class Liveness:
         if last[0] < 0:
             return "its process exited"
         return f"no heartbeat for {time.monotonic() - last[1]:.1f} s"
+
+
+class StallReport:
+    """On the generation's lowest member, from its heartbeat thread: one scan of every member per
+    beat, and keys.STALE rewritten when the set of stalled ranks changes (see the module docstring)."""
+
+    def __init__(self, members: Sequence[int], rank: int, timeout_s: float) -> None:
+        self.members, self.rank, self.timeout_s = sorted(members), rank, timeout_s
+        self._liveness: Optional[Liveness] = None
+        self._written: Optional[set] = None
+
+    def __call__(self, store: dist.Store) -> None:
+        if self._liveness is None or self._liveness.store is not store:
+            self._liveness = Liveness(store, self.rank, self.timeout_s)
+        self._liveness.scan(self.members)
+        stalls = self._liveness.stalls()
+        if set(stalls) != self._written:
+            store.set(keys.STALE, json.dumps(stalls))
+            self._written = set(stalls)
 
 
 class Heartbeat:
@@ -226,11 +276,6 @@ class Vigil:
         if len(self._liveness.scan(self.members)) < len(self.members):  # this rank watches: one scan of all
             logger.warning("[rank %d] a member of %s is presumed dead: %s", self.rank, self.key, self.on_dead)
             settle(store, self.key, self.on_dead, self.members)
-
-
-ABSENT = "<absent>"
-"""compare_set's expected value that no key holds: `compare_set(key, ABSENT, ABSENT)` reads a key
-in one call if it exists, and returns ABSENT otherwise."""
 
 
 def await_key(store: dist.Store, heartbeat: "Heartbeat", key: str, members: Sequence[int], *, deadline: float,
