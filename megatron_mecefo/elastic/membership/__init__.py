@@ -79,8 +79,8 @@ class Membership:
     def watch_liveness(self, members: Sequence[int]) -> None:
         """Call when a generation forms: its lowest member's heartbeat thread then scans every member
         once per beat and reports the stalled ones (liveness.StallReport)."""
-        members = sorted(members)
-        self._stall_report = StallReport(members, self.rank, self.hb_timeout) if members and members[0] == self.rank else None
+        lowest = min(members, default=None) == self.rank
+        self._stall_report = StallReport(members, self.rank, self.hb_timeout) if lowest else None
 
     def _on_beat(self, store: dist.Store) -> None:
         self._check_excluded(store)

@@ -104,11 +104,11 @@ class Liveness:
         return {r: [value, round(now - since, 3)] for r, (value, since) in self.seen.items()
                 if value > 0 and now - since >= self.timeout_s}
 
-    def learn_stalls(self, store: Optional[dist.Store] = None) -> None:
+    def learn_stalls(self) -> None:
         """Start from the watcher's report (keys.STALE, one call): a rank reported stalled at the
         counter it still shows counts as stalled since then. A counter that moved meanwhile, or a
         rank this view watched for longer, keeps this view's own observation."""
-        raw = (store or self.store).compare_set(keys.STALE, ABSENT, ABSENT)
+        raw = self.store.compare_set(keys.STALE, ABSENT, ABSENT)
         if raw == ABSENT.encode():
             return
         now = time.monotonic()
