@@ -60,13 +60,15 @@ class GiveUpCheckpoint:
     last committed step (None: none); `save_shards`: writes this rank's ranges of a sharded
     optimizer state (`sharding`) beside it. The writer of each position waits (up to `wait_s`)
     until every survivor of that position has written its ranges (or said it holds none), so the
-    host's `save` can gather them into its own format."""
+    host's `save` can gather them into its own format: in the store, or, where the store is lost
+    (a writer agreed without it), in `position_barrier`, a collective over the position's members."""
 
     def __init__(self, store, grid: Grid, rank: int, *, save: Optional[Callable[[], str]],
                  save_shards: Optional[Callable[[], None]], sharding, log: logging.LoggerAdapter,
-                 wait_s: float = 60.0) -> None:
+                 wait_s: float = 60.0, position_barrier: Optional[Callable[[], None]] = None) -> None:
         self.store, self.grid, self.rank, self.log, self.wait_s = store, grid, rank, log, wait_s
         self._save, self._save_shards, self._sharding = save, save_shards, sharding
+        self._position_barrier = position_barrier
 
     def write(self, step: int, *, has_state: bool, survivors: Optional[Sequence[int]],
               shard_peers: Optional[Sequence[int]] = None, writer: Optional[int] = None) -> Optional[str]:
@@ -80,11 +82,21 @@ class GiveUpCheckpoint:
                     self._save_shards()
                 except Exception as e:
                     self.log.error("could not write this rank's optimizer shards: %s", e)
-            self.store.set(_SHARDS_DONE.format(step=step, rank=self.rank), "1")
-            if save is not None:
-                save = functools.partial(self._after_shards, step, shard_peers or survivors, save)
+            if writer is not None:  # the store is lost: the position's members meet in a collective
+                self._shards_written_everywhere()
+            else:
+                self.store.set(_SHARDS_DONE.format(step=step, rank=self.rank), "1")
+                if save is not None:
+                    save = functools.partial(self._after_shards, step, shard_peers or survivors, save)
         return write_checkpoint(self.store, self.grid, self.rank, step=step, has_state=has_state, save=save,
                                 survivors=survivors, log=self.log, writer=writer)
+
+    def _shards_written_everywhere(self) -> None:
+        try:
+            if self._position_barrier is not None:
+                self._position_barrier()
+        except Exception as e:  # the host's save still looks for the files (SHARDS_VISIBLE_S)
+            self.log.error("the members of this position did not all confirm their optimizer shards: %s", e)
 
     def _after_shards(self, step: int, survivors: Optional[Sequence[int]], save: Callable[[], str]) -> str:
         position = self.grid.position(self.rank)

@@ -58,6 +58,9 @@ from megatron_mecefo.log import EventLog, RankPrefix
 
 __all__ = ["ElasticRuntime", "StateHooks", "StepPlan"]
 
+_STORE_ERRORS = (torch.distributed.DistNetworkError, torch.distributed.DistStoreError)
+"""What a store call raises when the store is gone (a killed store resets its connections)."""
+
 logger = logging.getLogger(__name__)
 
 
@@ -195,7 +198,7 @@ class ElasticRuntime:
                                     backend=backend, costs=self._costs)
         self._checkpoint = GiveUpCheckpoint(self.store, self.grid, rank, save=state.save_checkpoint,
                                             save_shards=state.save_shards, sharding=sharding, log=self.log,
-                                            wait_s=config.collective_timeout_s)
+                                            wait_s=config.collective_timeout_s, position_barrier=self._position_barrier)
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -463,6 +466,10 @@ class ElasticRuntime:
                 f"any more, so {ends}; restart the job from the checkpoint (and its store: mecefo-launch, or "
                 "mecefo-store)")
 
+    def _position_barrier(self) -> None:
+        """Every live member of this rank's position (its data-parallel group) got here."""
+        groups.allreduce_min_(self.group, torch.zeros(1, device=self._device()))
+
     def _device(self):
         return torch.device("cuda", torch.cuda.current_device()) if self._formation.backend == "nccl" \
             else torch.device("cpu")
@@ -501,22 +508,62 @@ class ElasticRuntime:
                              store_calls=self.store.calls - self._calls, **record)
 
     def _voted_commit(self, ok: bool, record: Dict[str, Any]) -> bool:
-        decision = self.membership.decide(self.generation, self.step, self.members, ok, self.world)
-        if decision.commit and not ok:
+        step = self.step
+        try:
+            decision = self.membership.decide(self.generation, step, self.members, ok, self.world)
+        except _STORE_ERRORS as e:
+            if not ok:  # this rank's reduction failed as well: no collective left to agree in
+                raise
+            self._store_failed(e)
+            decision = None  # whether the others read a commit is agreed below
+        if decision is not None and decision.commit and not ok:
             raise IncompleteStep(
-                f"[gen {self.generation} rank {self.rank} step {self.step}] the step was decided commit although this "
+                f"[gen {self.generation} rank {self.rank} step {step}] the step was decided commit although this "
                 "rank's gradient reduction failed: the store's decisions do not match this job; not committing")
+        if decision is None or decision.commit:
+            everyone_read = self._everyone_read_commit(decision is not None)
+            if everyone_read is False or (everyone_read is None and decision is None):
+                # the store was lost between the decision and a member's read: no shard steps, and the
+                # members agreed on that in a collective, so they agree on the writer as well
+                writer = self.grid.replica_of(min(self.members)) if everyone_read is False else None
+                raise StoreLost(self._store_lost_message(step), writer=writer)
         if decision.commit:
             if self.rank == min(self.members):
-                self.store.set(keys.PROGRESS, str(self.step + 1))  # read by trace-restarted ranks
+                try:
+                    self.store.set(keys.PROGRESS, str(step + 1))  # read by trace-restarted ranks
+                except _STORE_ERRORS as e:  # the next step's vote finds it
+                    self._store_failed(e)
             if decision.joiners:
                 self._pending = (decision.next_generation, sorted(set(self.members) | set(decision.joiners)))
-            self._write_step(self.step, {**self._as_ran(), **record})
+            self._write_step(step, {**self._as_ran(), **record})
             if decision.joiners:
-                self.injector.maybe_fire(self.step, "admit")
+                self.injector.maybe_fire(step, "admit")
             return True
         self._recover()
         return False
+
+    def _everyone_read_commit(self, read: bool) -> Optional[bool]:
+        """After a sharded step's vote: the MIN over every member of "read the commit decision" (a
+        member whose store call failed says no), so either every shard steps or none does. None: the
+        collective failed here (a peer died after the vote; the decision stands where it was read)."""
+        multi = self.grid.tp * self.grid.pp > 1
+        flags = [1.0 if read else 0.0]
+        try:
+            if multi:
+                with self.replica_collectives(step=self.step):
+                    flags = groups.replica_min(flags)
+            t = torch.tensor(flags, device=self._device())
+            groups.allreduce_min_(self.group, t, should_abort=self.step_aborted)
+            flags = t.tolist()
+            if multi:
+                with self.replica_collectives(step=self.step):
+                    flags = groups.replica_min(flags)
+        except MeCeFOError:
+            raise
+        except Exception as e:  # gloo: connection closed / timed out; the parameter gather finds the peer
+            self.log.warning("the confirmation after step %d's vote failed: %s", self.step, str(e).splitlines()[0][:200])
+            return None
+        return flags[0] == 1.0
 
     def after_optimizer_step(self) -> None:
         """Call after the optimizer step of a committed step. If a collective after the commit
@@ -627,7 +674,7 @@ class ElasticRuntime:
         except GaveUp as e:
             self._give_up(e)
             raise
-        except (torch.distributed.DistNetworkError, torch.distributed.DistStoreError) as e:
+        except _STORE_ERRORS as e:
             # the store failed under a call only a failure or an admission makes (a recovery, a group
             # formation): with no agreed writer, the checkpoint is written only if the store answers
             self._store_failed(e)

@@ -145,9 +145,16 @@ def main():
         torch.save({"params": [p.detach() for p in model.parameters()], "opt": opt.state_dict(), "step": rt.step}, path)
         return str(path)
 
+    def save_shards():  # every holder of a sharded state, beside the one save_checkpoint
+        torch.save({"step": rt.step, "shards": held_shards()}, args.out / f"giveup_shards_rank{rank}.pt")
+
+    def held_shards():  # what this rank holds: (start, end, per-element state, step per element)
+        return [(h.start, h.end, {k: h.state[k].clone() for k in sharded.keys},
+                 sharded._scalar_elems(h, h.start, h.end)[0]) for h in sharded.held.values()]
+
     state = StateHooks(get=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
                        set=lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"])),
-                       save_checkpoint=save_checkpoint)
+                       save_checkpoint=save_checkpoint, save_shards=save_shards if sharded is not None else None)
     rt = ElasticRuntime(cfg, env, micro_batches=args.k, state=state, sharding=sharded,
                         injector=FaultInjector.for_job(cfg, env, train_iters=args.steps))
     reduction = Reduction(rt, sharding=sharded)
@@ -183,10 +190,7 @@ def main():
 
     if not run_to_exit(train):  # JobFinished: a restarted rank came back after the end
         return
-    shards = None
-    if sharded is not None:  # what this rank holds: (start, end, per-element state, step per element)
-        shards = [(h.start, h.end, {k: h.state[k].clone() for k in sharded.keys},
-                   sharded._scalar_elems(h, h.start, h.end)[0]) for h in sharded.held.values()]
+    shards = held_shards() if sharded is not None else None
     torch.save({"params": [p.detach() for p in model.parameters()], "opt": opt.state_dict(), "step": step,
                 "generation": rt.generation, "shards": shards}, args.out / f"final_rank{rank}.pt")
     rt.close()
