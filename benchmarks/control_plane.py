@@ -65,15 +65,17 @@ def _serve(conn) -> None:
     conn.recv()  # until told to stop
 
 
-class Job:
-    """N simulated members of one job on the store at `port` (a fresh namespace per job)."""
+class Members:
+    """Some simulated members of one job (a fresh namespace per job) on the store at `port`: the
+    ranks of `ranks`, each a Membership on its own connection (training thread) and a second one
+    (heartbeat thread); every store call counted per rank."""
 
-    def __init__(self, impl, port: int, n: int, tag: str) -> None:
+    def __init__(self, impl, port: int, n: int, tag: str, ranks) -> None:
         self.impl, self.port, self.n = impl, port, n
         self.counts = collections.Counter()
         self.beats = collections.Counter()
         self.prefix = f"bench/{tag}"
-        self.members = [self.member(r) for r in range(n)]
+        self.members = {r: self.member(r) for r in ranks}
 
     def client(self):
         raw = dist.TCPStore("127.0.0.1", self.port, is_master=False, wait_for_workers=False,
@@ -88,21 +90,18 @@ class Job:
         m.start()
         return m
 
-    def stop(self) -> None:
-        for m in self.members:
-            m.stop()
-
-    def run(self, ranks, fn) -> float:
-        """fn(member) on each rank of `ranks` at once; returns the wall time until all returned."""
+    def run(self, ranks, action: str, args=()) -> tuple:
+        """ACTIONS[action](member, *args) on each of `ranks` held here, at once; returns (start, end)
+        on the system's monotonic clock (one clock for every process of the machine)."""
         errors = []
 
         def body(r):
             try:
-                fn(self.members[r])
+                ACTIONS[action](self.members[r], *args)
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append((r, e))
 
-        threads = [threading.Thread(target=body, args=(r,)) for r in ranks]
+        threads = [threading.Thread(target=body, args=(r,)) for r in ranks if r in self.members]
         t0 = time.monotonic()
         for t in threads:
             t.start()
@@ -110,103 +109,216 @@ class Job:
             t.join()
         if errors:
             raise RuntimeError(f"{len(errors)} members failed, e.g. rank {errors[0][0]}: {errors[0][1]!r}")
-        return time.monotonic() - t0
+        return t0, time.monotonic()
+
+    def take_counts(self) -> collections.Counter:
+        counts = collections.Counter(self.counts)
+        self.counts.clear()
+        return counts
+
+    def stop(self, ranks=None) -> None:
+        for r, m in self.members.items():
+            if ranks is None or r in ranks:
+                m.stop()
+
+
+def _worker(conn, impl_name: str, baseline: str) -> None:
+    """A process holding some members of each job: runs what the parent sends (see Job)."""
+    threading.stack_size(512 * 1024)
+    impl = load_impl(impl_name, baseline)
+    jobs = {}
+    while True:
+        cmd, *args = conn.recv()
+        try:
+            if cmd == "job":
+                tag, port, n, ranks = args
+                jobs[tag] = Members(impl, port, n, tag, ranks)
+                out = None
+            elif cmd == "run":
+                tag, ranks, action, action_args = args
+                out = jobs[tag].run(ranks, action, action_args)
+            elif cmd == "counts":
+                out = jobs[args[0]].take_counts()
+            elif cmd == "stop":
+                tag, ranks = args
+                jobs[tag].stop(ranks)
+                if ranks is None:
+                    del jobs[tag]
+                out = None
+            else:  # "exit"
+                conn.send(("ok", None))
+                return
+            conn.send(("ok", out))
+        except Exception as e:  # noqa: BLE001 - the parent raises it
+            conn.send(("error", repr(e)))
+
+
+class Job:
+    """N simulated members of one job: threads of this process (`workers` empty), or spread over
+    the worker processes (rank r in worker r % len(workers)) where one process cannot hold them."""
+
+    def __init__(self, impl, port: int, n: int, tag: str, workers=()) -> None:
+        self.n, self.tag, self.workers = n, tag, list(workers)
+        if not self.workers:
+            self.local = Members(impl, port, n, tag, range(n))
+        else:
+            self.local = None
+            self._all("job", lambda i: (tag, port, n, list(range(i, n, len(self.workers)))))
+
+    def _all(self, cmd, args_of) -> list:
+        for i, w in enumerate(self.workers):
+            w.send((cmd, *args_of(i)))
+        replies = [w.recv() for w in self.workers]
+        bad = [r[1] for r in replies if r[0] != "ok"]
+        if bad:
+            raise RuntimeError(f"a worker failed: {bad[0]}")
+        return [r[1] for r in replies]
+
+    def run(self, ranks, action: str, *args) -> float:
+        """ACTIONS[action](member, *args) on each rank of `ranks` at once; returns the wall time from
+        the first start until all returned."""
+        if self.local is not None:
+            t0, t1 = self.local.run(ranks, action, args)
+            return t1 - t0
+        ranks = list(ranks)
+        spans = self._all("run", lambda i: (self.tag, [r for r in ranks if r % len(self.workers) == i], action, args))
+        return max(t1 for _, t1 in spans) - min(t0 for t0, _ in spans)
+
+    def counts(self) -> collections.Counter:
+        """The training threads' store calls per rank since the last call."""
+        if self.local is not None:
+            return self.local.take_counts()
+        total = collections.Counter()
+        for c in self._all("counts", lambda i: (self.tag,)):
+            total.update(c)
+        return total
 
     def calls(self):
-        total = sum(self.counts.values())
-        busiest = max(self.counts.values()) if self.counts else 0
-        self.counts.clear()
-        return total, busiest
+        counts = self.counts()
+        return sum(counts.values()), max(counts.values()) if counts else 0
+
+    def stop(self, ranks=None) -> None:
+        if self.local is not None:
+            self.local.stop(ranks)
+        else:
+            self._all("stop", lambda i: (self.tag, ranks))
 
 
-def healthy_replicated(impl, port, n, steps):
+# What a member does in each measurement (module level: the worker processes look them up by name).
+
+def _pending_none(m, n):
+    assert m.joins.pending(list(range(n)), 0) == []
+
+
+def _mark_progress(m, s):
+    m.store.set(keys.PROGRESS, str(s + 1))
+
+
+def _decide_ok(m, s, n):
+    m.decide(0, s, list(range(n)), True, n)
+
+
+def _mark_exited(m, rank):
+    keys.mark_exited(m.store, rank)
+
+
+def _vote_abort(m, n):
+    assert not m.decide(0, 7, list(range(n)), False, n).commit
+
+
+def _agree_without(m, n, dead):
+    agreed = m.agree(1, list(range(n)), 7)
+    assert dead not in agreed.members and len(agreed.members) == n - 1
+
+
+def _join(m, n):
+    m.agree(m.request_join(time.monotonic() + 300), list(range(n)), None)
+
+
+def _train_until_admitted(m, n):
+    members, s = list(range(n - 1)), 0
+    while True:
+        d = m.decide(0, s, members, True, n)
+        s += 1
+        if d.joiners:
+            m.agree(d.next_generation, list(range(n)), s)
+            return
+
+
+ACTIONS = {f.__name__.lstrip("_"): f for f in (_pending_none, _mark_progress, _decide_ok, _mark_exited, _vote_abort,
+                                               _agree_without, _join, _train_until_admitted)}
+
+
+def healthy_replicated(impl, port, n, steps, workers=()):
     """The store calls of a healthy step with a replicated optimizer state: the commit is the
     confirmation all-reduce (no store); the lowest member asks whether restarted ranks wait
     (`ElasticRuntime._admission`) and marks the progress (`_committed`). The launcher path counts
     the same in each step record's `store_calls` (tests/elastic/test_fault_tolerance.py)."""
-    job = Job(impl, port, n, f"replicated{n}{impl.__name__}")
+    job = Job(impl, port, n, f"replicated{n}{impl.__name__}", workers)
     job.calls()
-    members = list(range(n))
-    lowest = job.members[0]
-    t0 = time.monotonic()
-    for s in range(steps):
-        assert lowest.joins.pending(members, 0) == []
-        lowest.store.set(keys.PROGRESS, str(s + 1))
-    wall = time.monotonic() - t0
-    total, busiest = job.calls()
-    job.stop()
-    return {"calls": total / steps, "busiest": busiest / steps, "s": wall / steps}
-
-
-def healthy(impl, port, n, steps):
-    """A healthy step's vote (Membership.decide): the baseline's commit, and this tree's with a
-    sharded optimizer state."""
-    job = Job(impl, port, n, f"healthy{n}{impl.__name__}")
-    job.calls()  # the members' start
-    members = list(range(n))
     wall = 0.0
     for s in range(steps):
-        wall += job.run(members, lambda m, s=s: m.decide(0, s, members, True, n))
+        wall += job.run([0], "pending_none", n)
+        wall += job.run([0], "mark_progress", s)
     total, busiest = job.calls()
     job.stop()
     return {"calls": total / steps, "busiest": busiest / steps, "s": wall / steps}
 
 
-def failure(impl, port, n):
-    job = Job(impl, port, n, f"failure{n}{impl.__name__}")
-    members, dead = list(range(n)), n - 1
-    job.members[dead].stop()
-    keys.mark_exited(job.members[0].store, dead)
-    job.calls()
-
-    def vote(m):
-        assert not m.decide(0, 7, members, False, n).commit
-
-    def agree(m):
-        agreed = m.agree(1, members, 7)
-        assert dead not in agreed.members and len(agreed.members) == n - 1
-
-    voted = job.run(members[:-1], vote)
-    votes = collections.Counter(job.counts)
-    job.counts.clear()
-    wall = job.run(members[:-1], agree)
-    both = votes + job.counts
+def healthy(impl, port, n, steps, workers=()):
+    """A healthy step's vote (Membership.decide): the baseline's commit, and this tree's with a
+    sharded optimizer state."""
+    job = Job(impl, port, n, f"healthy{n}{impl.__name__}", workers)
+    job.calls()  # the members' start
+    wall = 0.0
+    for s in range(steps):
+        wall += job.run(range(n), "decide_ok", s, n)
     total, busiest = job.calls()
     job.stop()
+    return {"calls": total / steps, "busiest": busiest / steps, "s": wall / steps}
+
+
+def failure(impl, port, n, workers=()):
+    job = Job(impl, port, n, f"failure{n}{impl.__name__}", workers)
+    dead = n - 1
+    job.stop([dead])
+    job.run([0], "mark_exited", dead)
+    job.calls()
+    voted = job.run(range(n - 1), "vote_abort", n)
+    votes = job.counts()
+    wall = job.run(range(n - 1), "agree_without", n, dead)
+    agreement = job.counts()
+    job.stop()
+    both = votes + agreement
     # the agreement alone (what a replicated state's failure costs after its failed confirmation),
     # and with the vote before it (the sharded state's, and every failure's in the baseline)
     return {"calls": sum(both.values()), "busiest": max(both.values()), "s": voted + wall,
-            "agreement": {"calls": total, "busiest": busiest, "s": wall}}
+            "agreement": {"calls": sum(agreement.values()), "busiest": max(agreement.values()), "s": wall}}
 
 
-def admission(impl, port, n):
-    job = Job(impl, port, n, f"admission{n}{impl.__name__}")
-    members, joiner = list(range(n - 1)), n - 1
+def admission(impl, port, n, workers=()):
+    job = Job(impl, port, n, f"admission{n}{impl.__name__}", workers)
+    joiner = n - 1
     job.calls()
-    generation = {}
-
-    def join(m):
-        generation["g"] = m.request_join(time.monotonic() + 300)
-        m.agree(generation["g"], list(range(n)), None)
-
-    def train(m):
-        s = 0
-        while True:
-            d = m.decide(0, s, members, True, n)
-            s += 1
-            if d.joiners:
-                m.agree(d.next_generation, list(range(n)), s)
-                return
-
-    t = threading.Thread(target=lambda: job.run([joiner], join))
-    t0 = time.monotonic()
-    t.start()
-    job.run(members, train)
-    t.join()
-    wall = time.monotonic() - t0
+    if not workers:  # the joiner in its own thread, the members beside it
+        t = threading.Thread(target=lambda: job.run([joiner], "join", n))
+        t0 = time.monotonic()
+        t.start()
+        job.run(range(n - 1), "train_until_admitted", n)
+        t.join()
+        wall = time.monotonic() - t0
+    else:  # one run: the joiner's worker runs it beside its share of the members
+        wall = job.run(range(n), "admission_role", n)
     total, busiest = job.calls()
     job.stop()
     return {"calls": total, "busiest": busiest, "s": wall}
+
+
+def _admission_role(m, n):
+    (_join if m.rank == n - 1 else _train_until_admitted)(m, n)
+
+
+ACTIONS["admission_role"] = _admission_role
 
 
 def store_rate(port, seconds=2.0, clients=8):
@@ -225,6 +337,31 @@ def store_rate(port, seconds=2.0, clients=8):
     for t in threads:
         t.join()
     return sum(done) / seconds
+
+
+def load_impl(name: str, baseline: str):
+    """"new": this tree's membership package; "baseline": the module of commit `baseline`."""
+    if name == "new":
+        import megatron_mecefo.elastic.membership as impl
+
+        return impl
+    return load_baseline(baseline)
+
+
+def start_workers(count: int, name: str, baseline: str) -> list:
+    ctx = mp.get_context("spawn")
+    conns = []
+    for _ in range(count):
+        parent, child = ctx.Pipe()
+        ctx.Process(target=_worker, args=(child, name, baseline), daemon=True).start()
+        conns.append(parent)
+    return conns
+
+
+def stop_workers(conns) -> None:
+    for c in conns:
+        c.send(("exit",))
+        c.recv()
 
 
 def load_baseline(commit: str):
@@ -282,6 +419,10 @@ def main(argv=None) -> int:
     p.add_argument("--baseline-max", type=int, default=256,
                    help="largest N the baseline runs at (its agreement costs 8N^2 calls: ~70 s at 256 here)")
     p.add_argument("--steps", type=int, default=3, help="healthy steps per N")
+    p.add_argument("--procs", type=int, default=4,
+                   help="worker processes that hold the members from --procs-from members on")
+    p.add_argument("--procs-from", type=int, default=2048,
+                   help="smallest N whose members are spread over --procs processes (below: threads of this one)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "control_plane.json")
     p.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON only")
     args = p.parse_args(argv)
@@ -295,24 +436,29 @@ def main(argv=None) -> int:
     server = mp.get_context("spawn").Process(target=_serve, args=(child,), daemon=True)
     server.start()
     port = parent.recv()
-    impls = {"new": sys.modules["megatron_mecefo.elastic.membership"], "baseline": load_baseline(args.baseline)}
+    impls = {"new": load_impl("new", args.baseline), "baseline": load_baseline(args.baseline)}
     result = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/control_plane.py " + " ".join(argv or sys.argv[1:]),
-              "machine": f"{platform.machine()}, {mp.cpu_count()} cores, members as threads of one process",
+              "machine": f"{platform.machine()}, {mp.cpu_count()} cores, members as threads of one process "
+                         f"(from N = {args.procs_from} on: of {args.procs} processes)",
               "baseline_commit": args.baseline, "store_calls_per_s": store_rate(port), "runs": []}
     print(f"store sustains {result['store_calls_per_s']:.0f} calls/s", flush=True)
     for n in args.sizes:
-        if 2 * n + 64 > hard:
+        if 2 * n + 64 > hard:  # the store server holds two connections per member
             print(f"N={n}: skipped ({hard} file descriptors)")
             continue
         for name, impl in impls.items():
             if name == "baseline" and n > args.baseline_max:
                 continue
-            row = {"impl": name, "n": n}
+            workers = start_workers(args.procs, name, args.baseline) if n >= args.procs_from else []
+            t0 = time.monotonic()
+            row = {"impl": name, "n": n, "processes": max(1, len(workers))}
             if name == "new":
-                row["healthy_replicated"] = healthy_replicated(impl, port, n, args.steps)
-            row["healthy"] = healthy(impl, port, n, args.steps if name == "new" or n <= 64 else 1)
-            row["failure"] = failure(impl, port, n)
-            row["admission"] = admission(impl, port, n)
+                row["healthy_replicated"] = healthy_replicated(impl, port, n, args.steps, workers)
+            row["healthy"] = healthy(impl, port, n, args.steps if name == "new" or n <= 64 else 1, workers)
+            row["failure"] = failure(impl, port, n, workers)
+            row["admission"] = admission(impl, port, n, workers)
+            row["wall_s"] = time.monotonic() - t0
+            stop_workers(workers)
             result["runs"].append(row)
             print(json.dumps(row), flush=True)
     parent.send("stop")
