@@ -625,7 +625,7 @@ class ElasticRuntime:
             agreed_at=now - (t_done - new.t_agreed), regrouped_at=now,
             detect_to_recover_s=(t0 - detected_at) if detected_at else None,
             agree_s=new.t_agreed - t0, regroup_s=t_done - new.t_agreed, plan=new.plan.summary(self.k),
-            groups_alive=groups.alive(),  # 1: no old communicator is still referenced (its memory freed)
+            groups_alive=groups.alive(collect=False),  # 1: the old communicator was freed with its last reference
         )
         if self.generation > 0:
             runners = {f: rs[0] if len(rs) == 1 else list(rs) for f, rs in new.plan.runners().items()}
