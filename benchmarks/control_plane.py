@@ -70,8 +70,8 @@ class Members:
     ranks of `ranks`, each a Membership on its own connection (training thread) and a second one
     (heartbeat thread); every store call counted per rank."""
 
-    def __init__(self, impl, port: int, n: int, tag: str, ranks) -> None:
-        self.impl, self.port, self.n = impl, port, n
+    def __init__(self, impl, port: int, n: int, tag: str, ranks, hb_timeout_s: float = 10.0) -> None:
+        self.impl, self.port, self.n, self.hb_timeout_s = impl, port, n, hb_timeout_s
         self.counts = collections.Counter()
         self.beats = collections.Counter()
         self.prefix = f"bench/{tag}"
@@ -85,7 +85,7 @@ class Members:
     def member(self, rank: int):
         store = Counted(self.client(), self.counts, rank)
         connect = lambda: Counted(self.client(), self.beats, rank)  # noqa: E731
-        m = self.impl.Membership(store, connect, rank, heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0,
+        m = self.impl.Membership(store, connect, rank, heartbeat_interval_s=1.0, heartbeat_timeout_s=self.hb_timeout_s,
                                  agree_timeout_s=300.0)
         m.start()
         return m
@@ -131,8 +131,8 @@ def _worker(conn, impl_name: str, baseline: str) -> None:
         cmd, *args = conn.recv()
         try:
             if cmd == "job":
-                tag, port, n, ranks = args
-                jobs[tag] = Members(impl, port, n, tag, ranks)
+                tag, port, n, ranks, hb_timeout_s = args
+                jobs[tag] = Members(impl, port, n, tag, ranks, hb_timeout_s)
                 out = None
             elif cmd == "run":
                 tag, ranks, action, action_args = args
@@ -153,6 +153,11 @@ def _worker(conn, impl_name: str, baseline: str) -> None:
             conn.send(("error", repr(e)))
 
 
+SPREAD_HB_TIMEOUT_S = 60.0
+"""The members' heartbeat timeout where they are spread over processes (thousands of threads on a
+few cores: a member starved for 10 s would be presumed dead, which the store's load does not cause)."""
+
+
 class Job:
     """N simulated members of one job: threads of this process (`workers` empty), or spread over
     the worker processes (rank r in worker r % len(workers)) where one process cannot hold them."""
@@ -163,7 +168,7 @@ class Job:
             self.local = Members(impl, port, n, tag, range(n))
         else:
             self.local = None
-            self._all("job", lambda i: (tag, port, n, list(range(i, n, len(self.workers)))))
+            self._all("job", lambda i: (tag, port, n, list(range(i, n, len(self.workers))), SPREAD_HB_TIMEOUT_S))
 
     def _all(self, cmd, args_of) -> list:
         for i, w in enumerate(self.workers):
@@ -358,6 +363,15 @@ def start_workers(count: int, name: str, baseline: str) -> list:
     return conns
 
 
+def restart_workers(conns, name: str, baseline: str) -> list:
+    """Fresh workers after a failed part (its members' threads may still run)."""
+    if not conns:
+        return conns
+    for c in conns:
+        c.close()
+    return start_workers(len(conns), name, baseline)
+
+
 def stop_workers(conns) -> None:
     for c in conns:
         c.send(("exit",))
@@ -391,7 +405,7 @@ def plot(result, path: Path) -> None:
     for impl, style in (("baseline", "--"), ("new", "-")):
         rows = [r for r in result["runs"] if r["impl"] == impl]
         for what, color in (("healthy_replicated", "C1"), ("healthy", "C0"), ("failure", "C3"), ("admission", "C2")):
-            pts = [(r["n"], r[what]) for r in rows if r.get(what)]
+            pts = [(r["n"], r[what]) for r in rows if r.get(what) and "error" not in r[what]]
             if not pts:
                 continue
             ns = [p[0] for p in pts]
@@ -452,11 +466,18 @@ def main(argv=None) -> int:
             workers = start_workers(args.procs, name, args.baseline) if n >= args.procs_from else []
             t0 = time.monotonic()
             row = {"impl": name, "n": n, "processes": max(1, len(workers))}
-            if name == "new":
-                row["healthy_replicated"] = healthy_replicated(impl, port, n, args.steps, workers)
-            row["healthy"] = healthy(impl, port, n, args.steps if name == "new" or n <= 64 else 1, workers)
-            row["failure"] = failure(impl, port, n, workers)
-            row["admission"] = admission(impl, port, n, workers)
+            parts = {"healthy_replicated": lambda: healthy_replicated(impl, port, n, args.steps, workers),
+                     "healthy": lambda: healthy(impl, port, n, args.steps if name == "new" or n <= 64 else 1, workers),
+                     "failure": lambda: failure(impl, port, n, workers),
+                     "admission": lambda: admission(impl, port, n, workers)}
+            if name != "new":
+                del parts["healthy_replicated"]
+            for part, measure in parts.items():
+                try:
+                    row[part] = measure()
+                except RuntimeError as e:  # kept in the row: one part that failed does not hide the others
+                    row[part] = {"error": str(e)[:300]}
+                    workers = restart_workers(workers, name, args.baseline)
             row["wall_s"] = time.monotonic() - t0
             stop_workers(workers)
             result["runs"].append(row)
