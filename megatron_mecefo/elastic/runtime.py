@@ -427,12 +427,8 @@ class ElasticRuntime:
         admit at this step's end (`_admission`): every rank of every position learns it with no
         store call of its own, and, as -1, whether a rank found the store lost (then no member
         commits: `_commit` raises StoreLost everywhere). Returns (confirmed, admit, store_lost)."""
-        multi = self.grid.tp * self.grid.pp > 1
-        flags = [1.0 if reduced else 0.0, -1.0 if reduced and self._admission() else 0.0,
-                 -1.0 if self._store_lost_since() is not None else 0.0]
-        if multi:
-            with self.replica_collectives(self.step):
-                flags = groups.replica_min(flags)
+        flags = self._replica_min([1.0 if reduced else 0.0, -1.0 if reduced and self._admission() else 0.0,
+                                   -1.0 if self._store_lost_since() is not None else 0.0])
         if flags[0] == 1.0:
             t = torch.tensor(flags, device=self._device())
             try:
@@ -444,10 +440,15 @@ class ElasticRuntime:
             except Exception as e:  # gloo: connection closed / timed out; an injected error
                 self.report_error(e)
                 flags = [0.0, 0.0, flags[2]]
-        if multi:
-            with self.replica_collectives(self.step):
-                flags = groups.replica_min(flags)
+        flags = self._replica_min(flags)
         return flags[0] == 1.0, flags[0] == 1.0 and flags[1] < 0, flags[2] < 0
+
+    def _replica_min(self, flags: list) -> list:
+        """The element-wise MIN of `flags` over this rank's replica (T x P ranks; as is with T = P = 1)."""
+        if self.grid.tp * self.grid.pp == 1:
+            return flags
+        with self.replica_collectives(self.step):
+            return groups.replica_min(flags)
 
     def _store_failed(self, error: BaseException) -> None:
         if self._store_error is None:
@@ -477,11 +478,7 @@ class ElasticRuntime:
     def _committed(self, step: int, record: Dict[str, Any], admit: bool) -> None:
         """A committed step's bookkeeping: the progress mark, the step record, and the joiners its
         commit admits (named under the step's key by the lowest member, `_admission`)."""
-        if self.rank == min(self.members) and self._store_lost_since() is None:
-            try:
-                self.store.set(keys.PROGRESS, str(step + 1))  # read by trace-restarted ranks
-            except Exception as e:  # the next confirmation carries it
-                self._store_failed(e)
+        self._mark_progress(step)
         if admit:
             joiners = [int(r) for r in self.store.get(keys.admit(self.generation, step)).decode().split(",")]
             candidates = sorted(set(self.members) | set(joiners))
@@ -493,6 +490,15 @@ class ElasticRuntime:
         self._write_step(step, record)
         if admit:
             self.injector.maybe_fire(step, "admit")
+
+    def _mark_progress(self, step: int) -> None:
+        """The lowest member's one store call of a committed step: the progress trace-restarted ranks
+        read. A store that fails here is found by the next step's confirmation or vote."""
+        if self.rank == min(self.members) and self._store_lost_since() is None:
+            try:
+                self.store.set(keys.PROGRESS, str(step + 1))
+            except Exception as e:  # a store error of any kind: the job's end is agreed in a collective
+                self._store_failed(e)
 
     def _as_ran(self) -> Dict[str, Any]:
         """The step record's fields of the generation the current step ran in."""
@@ -528,11 +534,7 @@ class ElasticRuntime:
                 writer = self.grid.replica_of(min(self.members)) if everyone_read is False else None
                 raise StoreLost(self._store_lost_message(step), writer=writer)
         if decision.commit:
-            if self.rank == min(self.members):
-                try:
-                    self.store.set(keys.PROGRESS, str(step + 1))  # read by trace-restarted ranks
-                except _STORE_ERRORS as e:  # the next step's vote finds it
-                    self._store_failed(e)
+            self._mark_progress(step)
             if decision.joiners:
                 self._pending = (decision.next_generation, sorted(set(self.members) | set(decision.joiners)))
             self._write_step(step, {**self._as_ran(), **record})
@@ -546,18 +548,10 @@ class ElasticRuntime:
         """After a sharded step's vote: the MIN over every member of "read the commit decision" (a
         member whose store call failed says no), so either every shard steps or none does. None: the
         collective failed here (a peer died after the vote; the decision stands where it was read)."""
-        multi = self.grid.tp * self.grid.pp > 1
-        flags = [1.0 if read else 0.0]
         try:
-            if multi:
-                with self.replica_collectives(step=self.step):
-                    flags = groups.replica_min(flags)
-            t = torch.tensor(flags, device=self._device())
+            t = torch.tensor(self._replica_min([1.0 if read else 0.0]), device=self._device())
             groups.allreduce_min_(self.group, t, should_abort=self.step_aborted)
-            flags = t.tolist()
-            if multi:
-                with self.replica_collectives(step=self.step):
-                    flags = groups.replica_min(flags)
+            flags = self._replica_min(t.tolist())
         except MeCeFOError:
             raise
         except Exception as e:  # gloo: connection closed / timed out; the parameter gather finds the peer

@@ -266,9 +266,12 @@ class Supervisor:
         if outcome is not None or (self.ending and self.ending[0][0] in ("gave_up", "no_rank")):
             reason = (outcome or {}).get("reason", "a rank exited with status 3")
             ckpt = (outcome or {}).get("checkpoint")
-            where = (f"checkpoint of step {ckpt['step']} at {ckpt['path']}" if ckpt else "no checkpoint was written"
-                     if outcome is not None else "the store did not say (lost?); the ranks' messages above say where "
-                     "a checkpoint was written")
+            if ckpt:
+                where = f"checkpoint of step {ckpt['step']} at {ckpt['path']}"
+            elif outcome is not None:
+                where = "no checkpoint was written"
+            else:  # the store is lost: the ranks' own messages name the checkpoint
+                where = "the store did not say whether a checkpoint was written (see the ranks' messages above)"
             self.log.error("the job gave up: %s; %s", reason, where)
             return GAVE_UP_EXIT_CODE
         if first_error is not None:
