@@ -116,9 +116,12 @@ def run_to_exit(main, *, usage: tuple = (ValueError,), close=None):
     * JobFinished (a restarted rank came back after training ended): a note, returns None.
     * GaveUp: why, and where the checkpoint of the last committed step is; exit GAVE_UP_EXIT_CODE.
     * NotAMember (left out: presumed failed, or its replica lost a rank): exit RETIRED_EXIT_CODE so
-      its supervisor (mecefo-launch or the keeper) restarts it, without interpreter teardown
-      (destructors of broken process groups can abort).
+      its supervisor (mecefo-launch or the keeper) restarts it.
     * `usage` errors (bad input before training) and JobConflict: "error: ..."; exit USAGE_EXIT_CODE.
+
+    These three end without interpreter teardown (`exit_now`): a give-up follows a failure, and a
+    usage error can come while a peer waits in a collective; the destructors of such process groups
+    can std::terminate, and the launcher would read SIGABRT instead of the code.
 
     Args:
         close: (finished: bool) -> None, run when `main` returns (True) or exits on its own
@@ -134,13 +137,11 @@ def run_to_exit(main, *, usage: tuple = (ValueError,), close=None):
     except GaveUp as e:
         where = f"checkpoint of the last committed step written to {e.checkpoint}" if e.checkpoint else \
             "no checkpoint written here"
-        print(f"MeCeFO: cannot continue: {e} ({where})", file=sys.stderr, flush=True)
-        sys.exit(GAVE_UP_EXIT_CODE)
+        exit_now(GAVE_UP_EXIT_CODE, f"MeCeFO: cannot continue: {e} ({where})")
     except NotAMember as e:
         exit_now(RETIRED_EXIT_CODE, f"MeCeFO: {e}")
     except (JobConflict,) + tuple(usage) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(USAGE_EXIT_CODE)
+        exit_now(USAGE_EXIT_CODE, f"error: {e}")
     except SystemExit as e:  # the script's own exits (upstream's --exit-interval, its signal handler)
         if close is not None:
             close(e.code in (None, 0))
