@@ -98,7 +98,9 @@ class JobFinished(MeCeFOError):
 def exit_now(code: int, message: Optional[str] = None) -> NoReturn:
     """End this process at once, from any thread, with `code` (one of the codes above): `message`
     to stderr first; no interpreter teardown (destructors of broken process groups can abort, and
-    a thread cannot unwind the main one's waits)."""
+    a thread cannot unwind the main one's waits). Child processes of `multiprocessing` (upstream's
+    checkpoint writers) are ended first: the teardown that would have ended them does not run, and
+    an orphan would keep the launcher's output pipe open."""
     import os
     import sys
 
@@ -106,6 +108,14 @@ def exit_now(code: int, message: Optional[str] = None) -> NoReturn:
         print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
+    if "multiprocessing" in sys.modules:
+        import multiprocessing
+
+        children = multiprocessing.active_children()
+        for child in children:
+            child.terminate()
+        for child in children:
+            child.join(timeout=5)
     os._exit(code)
 
 
