@@ -23,8 +23,8 @@ setup(
         "megatron-core>=0.16.1",
         "deepspeed>=0.19.4",
     ],
-    entry_points={"console_scripts": ["mecefo-launch=megatron_mecefo.elastic.launch:main",
-                                     "mecefo-store=megatron_mecefo.elastic.store_daemon:main",
+    entry_points={"console_scripts": ["mecefo-launch=megatron_mecefo.elastic.launch.cli:main",
+                                     "mecefo-store=megatron_mecefo.elastic.launch.store_daemon:main",
                                      "mecefo-patch=megatron_mecefo.patch:main"]},
     # the patches for existing Megatron checkouts (mecefo-patch finds them here in a wheel install)
     data_files=[(f"share/megatron-mecefo/{d}", glob.glob(f"{d}/*")) for d in glob.glob("patches/*")],

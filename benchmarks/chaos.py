@@ -1,5 +1,5 @@
 """Chaos benchmark: many seeded random failure schedules against the toy runtime job and against
-examples/pretrain_gpt, each checked against the invariants of megatron_mecefo.elastic.chaos.
+examples/pretrain_gpt, each checked against the invariants of megatron_mecefo.testing.chaos.
 
     python benchmarks/chaos.py                       # 200 toy + 20 pretrain_gpt + 10 layout + 40 sharded
                                                      # + 10 checkout + 60 spread schedules (~1.9 h)
@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from megatron_mecefo.elastic import chaos
+from megatron_mecefo.testing import chaos
 from megatron_mecefo.testing import chaos_runs as chaos_util
 
 

@@ -177,7 +177,8 @@ def aggregated_grad_error(args, ckpt: Path, batches=3, approximate="all", replic
     from megatron_mecefo.config import cache_root
     from megatron_mecefo.data.corpus import stdlib_corpus
     from megatron_mecefo.data.gpt import build_gpt_datasets, collate
-    from megatron_mecefo.elastic import Grid, fold_neighbor, ring_cover, reference_gradient, sample_range
+    from megatron_mecefo.elastic import Grid, fold_neighbor, ring_cover, sample_range
+    from megatron_mecefo.testing.reference import reference_gradient
     from megatron_mecefo.layers.model import init_model_parallel
     from megatron_mecefo.params import GradGroup, grad_group
 

@@ -2,7 +2,7 @@
 
 When replicas fail, every live replica waits at the reduction for the slowest one, so a step takes
 as long as its slowest replica's micro-batches. For each model, D (replicas), k (micro-batches per
-replica) and number of failed replicas, this builds the plans of elastic/cover_plan.py:
+replica) and number of failed replicas, this builds the plans of elastic/plan/cover_plan.py:
 
   neighbour      the paper's rule: the failed replica's ring neighbour runs its own k and the
                  failed one's k, all approximated
@@ -48,9 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from covering_cost import loss_of, setup, sync  # noqa: E402
 
 from megatron_mecefo import MeCeFOConfig, covering  # noqa: E402
-from megatron_mecefo.elastic.costs import CostMeter, agreed_costs  # noqa: E402
-from megatron_mecefo.elastic.cover_plan import plan_cover  # noqa: E402
-from megatron_mecefo.elastic.topology import Grid, ring_cover  # noqa: E402
+from megatron_mecefo.elastic.plan.costs import CostMeter, agreed_costs  # noqa: E402
+from megatron_mecefo.elastic.plan.cover_plan import plan_cover  # noqa: E402
+from megatron_mecefo.elastic.plan.topology import Grid, ring_cover  # noqa: E402
 
 MODELS = {
     # covering_cost.py's default size (setup A of docs/results.md)

@@ -1,7 +1,7 @@
 """Many real ranks on one machine: the toy runtime job at 32 processes (gloo), fault-free and with a
 rank killed (SIGKILL) and restarted, under mecefo-launch.
 
-It checks what the chaos harness checks (megatron_mecefo.elastic.chaos.check_run: every committed
+It checks what the chaos harness checks (megatron_mecefo.testing.chaos.check_run: every committed
 step consumed the whole global batch exactly once, one generation per step, no hang), and:
   * every rank that finished holds bit-identical parameters and Adam state, in each run;
   * the faulty run's final state against the fault-free run's (bit-identical or not, max abs diff)
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_mecefo.elastic import chaos
-from megatron_mecefo.elastic.chaos import Fault, Schedule
+from megatron_mecefo.testing import chaos
 from megatron_mecefo.testing import chaos_runs as chaos_util, toy_train
+from megatron_mecefo.testing.chaos import Fault, Schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

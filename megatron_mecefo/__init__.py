@@ -37,7 +37,7 @@ _EXPORTS = {
     "enable_cpu_support": "megatron_mecefo.layers.cpu",
     "check_lowrank_rank": "megatron_mecefo.layers.linear",
     "ElasticRuntime": "megatron_mecefo.elastic.runtime",
-    "FaultInjector": "megatron_mecefo.elastic.inject",
+    "FaultInjector": "megatron_mecefo.elastic.faults.inject",
 }
 
 __all__ = sorted(_EXPORTS)

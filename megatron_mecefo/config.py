@@ -123,7 +123,7 @@ class MeCeFOConfig:
     survivors round the ring, each approximating as few as keep its step within the target:
     covering_budget, else the neighbour rule's own time, so never slower and never more
     approximated than the paper). Plans come from micro-batch costs the members measure and agree on
-    with each generation (elastic/cover_plan.py, elastic/costs.py)."""
+    with each generation (elastic/plan/cover_plan.py, elastic/plan/costs.py)."""
     covering_budget: Optional[float] = None
     """The slowest replica's step time while covering, in normal steps (e.g. 1.05): the covering
     replicas then approximate as few micro-batches as keep their steps within it (adopted ones

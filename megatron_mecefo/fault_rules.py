@@ -1,7 +1,7 @@
 """The formats of MeCeFO's failure injection: "inject" rules and a "trace" (the ds_config keys and
 `--mecefo-inject` / `--mecefo-trace`), validated when MeCeFOConfig is built.
 
-Below config.py and above nothing of ours: what the rules do at run time is elastic/inject.py's.
+Below config.py and above nothing of ours: what the rules do at run time is elastic/faults/inject.py's.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import List
 __all__ = ["KINDS", "PHASES", "PAPER_SCENARIOS", "RULE_FORMAT", "parse_rules", "parse_trace"]
 
 PHASES = ("forward", "backward", "allreduce", "commit", "optimizer", "recovery", "join", "transfer", "admit", "reshard")
-"""Where a kill or hang fires (elastic/inject.py's docstring says when each point is reached)."""
+"""Where a kill or hang fires (elastic/faults/inject.py's docstring says when each point is reached)."""
 
 KINDS = ("kill", "hang", "error", "hold")
 

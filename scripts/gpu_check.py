@@ -78,7 +78,7 @@ def case_versions(args) -> dict:
         out["nccl_runtime"] = dotted(dist.ProcessGroupNCCL.get_runtime_nccl_version())
     except Exception as e:  # not in every build
         out["nccl_runtime"] = f"unknown ({type(e).__name__})"
-    from megatron_mecefo.elastic import groups
+    from megatron_mecefo.elastic.comm import groups
 
     torch.cuda.set_device(0)
     g = groups.build_dp_group(_store(), 0, [0], 0, timedelta(seconds=60), "nccl")
@@ -92,8 +92,8 @@ def case_generations(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from megatron_mecefo.elastic import groups
-    from megatron_mecefo.elastic.shard_grads import _reduce_scatter
+    from megatron_mecefo.elastic.comm import groups
+    from megatron_mecefo.elastic.comm.shard_grads import _reduce_scatter
 
     cuda = args.backend == "nccl"
     if cuda:
@@ -143,7 +143,7 @@ def case_absent_peer(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from megatron_mecefo.elastic import groups
+    from megatron_mecefo.elastic.comm import groups
 
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
@@ -190,7 +190,7 @@ def case_absent_peer(args) -> dict:
 
 def _timed_abort(group, deadline_s: float) -> str:
     """The runtime's bounded abort of `group`: how long it took, or that it hung."""
-    from megatron_mecefo.elastic import groups
+    from megatron_mecefo.elastic.comm import groups
 
     t0 = time.monotonic()
     try:
@@ -203,7 +203,7 @@ def _timed_abort(group, deadline_s: float) -> str:
 def _new_group_works(store, generation: int) -> bool:
     import torch
 
-    from megatron_mecefo.elastic import groups
+    from megatron_mecefo.elastic.comm import groups
 
     g = groups.build_dp_group(store, generation, [0], 0, timedelta(seconds=30), "nccl")
     x = torch.full((4,), 3.0, device="cuda")
@@ -230,7 +230,7 @@ def case_watchdog(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from megatron_mecefo.elastic import groups, nccl_env
+    from megatron_mecefo.elastic.comm import groups, nccl_env
 
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
@@ -282,7 +282,7 @@ CASES = {"versions": case_versions, "generations": case_generations, "absent_pee
 def _environment(mode: str) -> dict:
     """The child's environment: MeCeFO's NCCL settings (as its launchers set them), or, for the
     watchdog case, PyTorch's defaults / ASYNC_ERROR_HANDLING=2 alone, with a short heartbeat."""
-    from megatron_mecefo.elastic import nccl_env
+    from megatron_mecefo.elastic.comm import nccl_env
 
     if mode in ("torch_defaults", "async_only"):
         env = {k: v for k, v in os.environ.items() if k not in nccl_env.SETTINGS}

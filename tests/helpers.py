@@ -43,7 +43,7 @@ def two_nodes_lose_one(tmp_path, script_args, *, victim_node: int, start_s: floa
     import time
 
     port = free_port()
-    store = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.store_daemon", "--host", "127.0.0.1",
+    store = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.launch.store_daemon", "--host", "127.0.0.1",
                               "--port", str(port), "--grace", "1"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert store.stdout.readline().startswith("ready: the store of job")
     nodes = [subprocess.Popen(

@@ -19,7 +19,7 @@ FORBIDDEN = {
     "megatron_mecefo.layers": ("deepspeed",),
     "megatron_mecefo.elastic": ("megatron", "deepspeed", "megatron_mecefo.layers"),
     "megatron_mecefo.elastic.runtime": ("megatron", "deepspeed", "megatron_mecefo.layers"),
-    "megatron_mecefo.elastic.launch": ("megatron", "deepspeed", "megatron_mecefo.layers"),
+    "megatron_mecefo.elastic.launch.cli": ("megatron", "deepspeed", "megatron_mecefo.layers"),
     # imported by a patched Megatron-DeepSpeed script, whose `megatron` is its own: never megatron-core's
     # layers; upstream and DeepSpeed are imported when install() runs
     "megatron_mecefo.integrations.megatron_deepspeed": ("megatron", "deepspeed", "megatron_mecefo.layers"),
@@ -29,7 +29,7 @@ FORBIDDEN = {
     "megatron_mecefo.integrations.megatron_lm": ("megatron", "deepspeed", "megatron_mecefo.layers"),
     "megatron_mecefo.integrations.megatron_lm.training": ("megatron", "deepspeed", "megatron_mecefo.layers"),
     "megatron_mecefo.integrations.megatron_lm.step": ("deepspeed",),
-    "megatron_mecefo.elastic.bootstrap": ("megatron", "deepspeed", "megatron_mecefo.layers"),
+    "megatron_mecefo.elastic.launch.bootstrap": ("megatron", "deepspeed", "megatron_mecefo.layers"),
     "megatron_mecefo.patch": ("torch", "megatron", "deepspeed"),
 }
 
@@ -173,10 +173,41 @@ def test_base_modules_import_nothing_above_them():
         assert not up, f"{module} imports {up}: move what it needs below it"
 
 
+# elastic/ in layers (docs/design.md, "Where things are"): a sub-package imports only the ones below
+# it, and none imports the step and its runtime at the top of elastic/.
+_ELASTIC_BELOW = {
+    "plan": set(), "comm": set(), "membership": set(),
+    "faults": {"plan"}, "sharding": {"plan", "comm"}, "launch": {"plan", "comm", "membership"},
+}
+
+
+def test_elastic_sub_packages_import_only_below_them():
+    files = {}
+    for path in (ROOT / "megatron_mecefo").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    subs = {m.split(".")[2] for m, p in files.items() if m.count(".") == 2 and p.name == "__init__.py"
+            and m.startswith("megatron_mecefo.elastic.")}
+    assert subs == set(_ELASTIC_BELOW), f"sub-packages of elastic/ without a layer here: {subs ^ set(_ELASTIC_BELOW)}"
+
+    def where(module):  # the sub-package of elastic/ a module is in, "top" for elastic/*.py
+        parts = module.split(".")
+        return parts[2] if len(parts) > 3 or (len(parts) == 3 and parts[2] in subs) else "top"
+
+    bad = []
+    for m, path in files.items():
+        if not m.startswith("megatron_mecefo.elastic.") or where(m) == "top":
+            continue
+        for t in _imports(m, path, set(files)):
+            if t.startswith("megatron_mecefo.elastic.") and where(t) != where(m) and where(t) not in _ELASTIC_BELOW[where(m)]:
+                bad.append(f"{m} imports {t}")
+    assert not bad, "imports that climb up elastic/'s layers:\n" + "\n".join(sorted(bad))
+
+
 # The cross-replica gradient collectives and the reduction's arithmetic: called from the step's
 # reduction part only (elastic/reduction.py over gradients.py and shard_grads.py, which use groups.py).
 _REDUCTION_CALLS = ("allreduce_sum_", "allreduce_sum_async_", "reduce_with_divisors", "reduce_scatter_with_divisors")
-_REDUCTION_PART = {"elastic/reduction.py", "elastic/gradients.py", "elastic/shard_grads.py", "elastic/groups.py"}
+_REDUCTION_PART = {"elastic/reduction.py", "elastic/comm/gradients.py", "elastic/comm/shard_grads.py", "elastic/comm/groups.py"}
 
 
 def test_no_gradient_reduction_outside_the_reduction_part():

@@ -255,7 +255,7 @@ def main(argv=None):
         raise ValueError("--perturb-loss needs tensor and pipeline parallel size 1")
     ds_config = ds_config_for(args, dp)
     if mecefo.enable:
-        from megatron_mecefo.elastic.inject import check_job
+        from megatron_mecefo.elastic.faults.inject import check_job
 
         mecefo.check_ds_config(ds_config)
         # bad failure rules or traces end here, before any data or model is built
@@ -271,7 +271,7 @@ def main(argv=None):
         raise ValueError("--tokenizer-type NullTokenizer needs --data-path (the built-in corpus is byte tokens)")
     from megatron_mecefo.data.corpus import stdlib_corpus
     from megatron_mecefo.data.gpt import build_gpt_datasets, collate
-    from megatron_mecefo.elastic.fold import sample_range
+    from megatron_mecefo.elastic.plan.fold import sample_range
     from megatron_mecefo.layers.model import init_model_parallel
 
     if mecefo.enable:
@@ -285,7 +285,7 @@ def main(argv=None):
         import deepspeed
 
         from megatron_mecefo.deepspeed_hook.initialize import skip_cpu_shm_build
-        from megatron_mecefo.elastic.groups import default_backend
+        from megatron_mecefo.elastic.comm.groups import default_backend
 
         skip_cpu_shm_build()
         deepspeed.init_distributed(default_backend())
@@ -320,7 +320,7 @@ def main(argv=None):
 
             load_checkpoint(engine, args.load)
     from megatron_mecefo.deepspeed_hook.schedule import clip_grad_norm, forward_backward, reduce_tied_embeddings
-    from megatron_mecefo.elastic.topology import Grid
+    from megatron_mecefo.elastic.plan.topology import Grid
 
     grid = Grid(tp=tp, pp=pp, dp=dp)
     _, _, my_replica = grid.coords(env.rank)
@@ -390,7 +390,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from megatron_mecefo.elastic.keeper import keep_early
+    from megatron_mecefo.elastic.launch.keeper import keep_early
 
     keep_early(sys.argv[1:])  # deepspeed / torchrun / by hand with --mecefo: this process keeps the rank
     # how a MeCeFO job ends -> exit codes: 3 gave up, 4 left the job (restarted), 2 bad input

@@ -31,7 +31,7 @@ warnings.filterwarnings("ignore")
 import torch
 
 from megatron_mecefo.config import MeCeFOConfig
-from megatron_mecefo.elastic.fold import sample_range
+from megatron_mecefo.elastic.plan.fold import sample_range
 from megatron_mecefo.errors import run_to_exit
 
 VOCAB, SEQ = 128, 16

@@ -38,7 +38,7 @@ def replica_ds_config(ds_config: Dict[str, Any], world: int) -> tuple:
 def bf16_parameters(ds_config: Dict[str, Any]) -> bool:
     """With the sharded optimizer state and "bf16" on, DeepSpeed is told fp32 and given the model
     in bf16 (the caller casts it, as DeepSpeed would): its optimizer then steps the bf16
-    parameters, and the fp32 masters live in the held shards only (elastic/zero.py), instead of a
+    parameters, and the fp32 masters live in the held shards only (elastic/sharding/zero.py), instead of a
     mixed-precision wrapper keeping a whole fp32 copy on every rank. The gradients are bf16, as in
     DeepSpeed's own bf16 mode at stage 0; the sharded update reads them in fp32 and applies the clip
     coefficient there. Returns whether it did so (and turns "bf16" off in `ds_config`)."""

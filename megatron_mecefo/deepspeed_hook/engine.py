@@ -22,7 +22,7 @@ it rebuilds per generation. No framework code ever waits on a failed rank. Conse
 batch sizes are rewritten per replica (train_batch_size = micro batch * accumulation steps),
 "managed_gradient_accumulation" is false, and ZeRO stage 1 is MeCeFO's, not DeepSpeed's: the
 engine runs stage 0 inside its replica and the runtime shards the optimizer state over the live
-replicas (elastic/zero.py: each shard also held by its covering neighbour, re-sharded on a
+replicas (elastic/sharding/zero.py: each shard also held by its covering neighbour, re-sharded on a
 failure); checkpoints then hold one `mecefo_optim_*.pt` file per held range beside DeepSpeed's files,
 written by every rank. Stages 2 and 3 are refused at start-up.
 
@@ -49,10 +49,10 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 
 from megatron_mecefo.deepspeed_hook.pipeline import is_pipeline_engine
-from megatron_mecefo.elastic.fold import MicroBatch
+from megatron_mecefo.elastic.plan.fold import MicroBatch
 from megatron_mecefo.elastic.runtime import StepPlan
+from megatron_mecefo.elastic.sharding.zero import ShardedOptimizer
 from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver
-from megatron_mecefo.elastic.zero import ShardedOptimizer
 
 __all__ = ["MeCeFOEngine"]
 

@@ -16,12 +16,12 @@ from megatron_mecefo.deepspeed_hook.engine import MeCeFOEngine
 from megatron_mecefo.deepspeed_hook.zero_checkpoint import (skip_zero_optimizer, tag_dir, write_zero_checkpoint, zero_files,
                                                             zero_state)
 from megatron_mecefo.elastic.attach import attach
-from megatron_mecefo.elastic.bootstrap import init_distributed, replica_groups_time_out
+from megatron_mecefo.elastic.comm.groups import default_backend
 from megatron_mecefo.elastic.give_up import SHARDS_VISIBLE_S
-from megatron_mecefo.elastic.groups import default_backend
+from megatron_mecefo.elastic.launch.bootstrap import init_distributed, replica_groups_time_out
 from megatron_mecefo.elastic.runtime import StateHooks
+from megatron_mecefo.elastic.sharding.zero import ShardedOptimizer, innermost_optimizer
 from megatron_mecefo.elastic.step import training_state
-from megatron_mecefo.elastic.zero import ShardedOptimizer, innermost_optimizer
 
 __all__ = ["initialize", "wrap_engine", "skip_cpu_shm_build"]
 
@@ -127,7 +127,7 @@ def wrap_engine(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: i
             counters); plain data only.
         module_state: (get, set) of the module's state (default: `state_dict` / `load_state_dict`;
             legacy Megatron models load only their `state_dict_for_save_checkpoint` format).
-        sharded: shard the engine's optimizer state over the live replicas (ZeRO-1, elastic/zero.py);
+        sharded: shard the engine's optimizer state over the live replicas (ZeRO-1, elastic/sharding/zero.py);
             `save_dir` / `load_dir`: where its shard files go / come from (beside DeepSpeed's);
             `load_optimizer` False: start a fresh optimizer state (Megatron's --no-load-optim).
     """

@@ -6,7 +6,7 @@ holds, per param group, that rank's partition of the group's flat fp32 parameter
 (`single_partition_of_fp32_groups`, saved without DeepSpeed's alignment padding) and of the base
 optimizer's state (`base_optimizer_state`: the torch optimizer's state_dict, padded; or, with
 "elastic_checkpoint", a list of unpadded states). A group is flattened in its parameters' order,
-and the groups in order: the same flat range as MeCeFO's (elastic/zero.py), so the partitions of
+and the groups in order: the same flat range as MeCeFO's (elastic/sharding/zero.py), so the partitions of
 every rank, concatenated per group, are MeCeFO's state at any replica count.
 
 The engine under MeCeFO runs stage 0 (the runtime shards), which would read a ZeRO checkpoint's
@@ -32,7 +32,7 @@ from typing import List, Optional
 
 import torch
 
-from megatron_mecefo.elastic.state_source import Piece, StateSource
+from megatron_mecefo.elastic.sharding.state_source import Piece, StateSource
 
 __all__ = ["tag_dir", "zero_files", "zero_state", "skip_zero_optimizer", "write_zero_checkpoint"]
 

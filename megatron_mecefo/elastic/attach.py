@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
-from megatron_mecefo.elastic.groups import default_backend
-from megatron_mecefo.elastic.inject import FaultInjector
+from megatron_mecefo.elastic.comm.groups import default_backend
+from megatron_mecefo.elastic.faults.inject import FaultInjector
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StateHooks
 from megatron_mecefo.elastic.step import Host, StepDriver
 

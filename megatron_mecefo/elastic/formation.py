@@ -19,14 +19,15 @@ from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from megatron_mecefo.config import MeCeFOConfig
-from megatron_mecefo.elastic import groups, holds
-from megatron_mecefo.elastic.costs import CostMeter, read_costs, summarize_costs
-from megatron_mecefo.elastic.cover_plan import CoverPlan, plan_cover
-from megatron_mecefo.elastic.fold import Fold
-from megatron_mecefo.elastic.inject import FaultInjector
+from megatron_mecefo.elastic.comm import groups
+from megatron_mecefo.elastic.comm.transfer import broadcast_state
+from megatron_mecefo.elastic.faults import holds
+from megatron_mecefo.elastic.faults.inject import FaultInjector
 from megatron_mecefo.elastic.membership import Agreement, Membership
-from megatron_mecefo.elastic.topology import CoverMap, Grid, ring_cover
-from megatron_mecefo.elastic.transfer import broadcast_state
+from megatron_mecefo.elastic.plan.costs import CostMeter, read_costs, summarize_costs
+from megatron_mecefo.elastic.plan.cover_plan import CoverPlan, plan_cover
+from megatron_mecefo.elastic.plan.fold import Fold
+from megatron_mecefo.elastic.plan.topology import CoverMap, Grid, ring_cover
 from megatron_mecefo.errors import GaveUp, JobFinished, MeCeFOError, NoCoverAvailable
 
 __all__ = ["Formation", "Generation"]

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Callable, Optional, Sequence
 
-from megatron_mecefo.elastic.topology import Grid
+from megatron_mecefo.elastic.plan.topology import Grid
 
 __all__ = ["GiveUpCheckpoint", "write_checkpoint", "SHARDS_VISIBLE_S"]
 

@@ -30,9 +30,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from megatron_mecefo.elastic import groups
-from megatron_mecefo.elastic.gradients import divisor_scale, reduce_with_divisors
-from megatron_mecefo.elastic.shard_grads import reduce_scatter_with_divisors
+from megatron_mecefo.elastic.comm import groups
+from megatron_mecefo.elastic.comm.gradients import divisor_scale, reduce_with_divisors
+from megatron_mecefo.elastic.comm.shard_grads import reduce_scatter_with_divisors
 
 __all__ = ["Reduction", "InOrderBuckets", "GradBuckets"]
 

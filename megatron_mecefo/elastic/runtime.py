@@ -40,18 +40,19 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
-from megatron_mecefo.elastic import groups, holds, nccl_env
-from megatron_mecefo.elastic import store as job_store
-from megatron_mecefo.elastic.costs import CostMeter
-from megatron_mecefo.elastic.cover_plan import CoverPlan
-from megatron_mecefo.elastic.fold import Fold
+from megatron_mecefo.elastic.comm import groups, nccl_env
+from megatron_mecefo.elastic.comm import store as job_store
+from megatron_mecefo.elastic.comm.replica import mark_started
+from megatron_mecefo.elastic.comm.transfer import decode_state
+from megatron_mecefo.elastic.faults import holds
+from megatron_mecefo.elastic.faults.inject import FaultInjector
 from megatron_mecefo.elastic.formation import Formation
 from megatron_mecefo.elastic.give_up import GiveUpCheckpoint
-from megatron_mecefo.elastic.inject import FaultInjector
 from megatron_mecefo.elastic.membership import Membership, keys
-from megatron_mecefo.elastic.replica import mark_started
-from megatron_mecefo.elastic.topology import CoverMap, Grid
-from megatron_mecefo.elastic.transfer import decode_state
+from megatron_mecefo.elastic.plan.costs import CostMeter
+from megatron_mecefo.elastic.plan.cover_plan import CoverPlan
+from megatron_mecefo.elastic.plan.fold import Fold
+from megatron_mecefo.elastic.plan.topology import CoverMap, Grid
 from megatron_mecefo.errors import (RETIRED_EXIT_CODE, GaveUp, IncompleteStep, JobAborted, MeCeFOError, NotAMember,
                                     ReplicaLost, StoreLost, exit_now)
 from megatron_mecefo.log import EventLog, RankPrefix

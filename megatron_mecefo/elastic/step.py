@@ -71,8 +71,8 @@ import torch
 from megatron_mecefo.approx.mode import CoverPolicy, covering
 from megatron_mecefo.approx.projector import observe_gradients
 from megatron_mecefo.config import MeCeFOConfig
-from megatron_mecefo.elastic.bootstrap import param_digest
-from megatron_mecefo.elastic.fold import MicroBatch, micro_batch_policy
+from megatron_mecefo.elastic.launch.bootstrap import param_digest
+from megatron_mecefo.elastic.plan.fold import MicroBatch, micro_batch_policy
 from megatron_mecefo.elastic.reduction import Reduction
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.rng import rng_state, set_rng_state

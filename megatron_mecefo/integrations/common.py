@@ -52,7 +52,7 @@ class State:
     record: Any = None
     """The Record of upstream's log lines and writer calls (record.py)."""
     sharded: bool = False
-    """The optimizer state is sharded over the replicas (elastic/zero.py)."""
+    """The optimizer state is sharded over the replicas (elastic/sharding/zero.py)."""
     save_shards: Optional[Callable[[int], Any]] = None
     """(iteration) -> writes this rank's shards of a sharded optimizer state into the checkpoint
     upstream is saving (every rank, at every save); None: the state is replicated."""
@@ -95,7 +95,7 @@ def init_replica(state: State, cfg, *, backend: str, tensor_parallel: int, data_
                  pipeline_parallel: int = 1) -> None:
     """torch.distributed over this rank's replica (its tensor- and pipeline-parallel ranks) on the
     job's store, before upstream's own init, which then builds its groups over the replica."""
-    from megatron_mecefo.elastic.bootstrap import init_distributed
+    from megatron_mecefo.elastic.launch.bootstrap import init_distributed
 
     state.job = init_distributed(backend, tensor_parallel, pipeline_parallel, timeout_s=cfg.collective_timeout_s,
                                  join_timeout_s=cfg.join_timeout_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s,

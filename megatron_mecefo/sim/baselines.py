@@ -26,7 +26,7 @@ import dataclasses
 import math
 from typing import Dict, FrozenSet, Optional
 
-from megatron_mecefo.elastic.topology import Grid
+from megatron_mecefo.elastic.plan.topology import Grid
 from megatron_mecefo.sim.engine import Rate, Transition
 from megatron_mecefo.sim.trace import Failure
 

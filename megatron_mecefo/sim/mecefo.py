@@ -1,4 +1,4 @@
-"""MeCeFO as the runtime runs it: the ring cover plan of `elastic/topology.py`, per event.
+"""MeCeFO as the runtime runs it: the ring cover plan of `elastic/plan/topology.py`, per event.
 
 A failed domain (a GPU, or a node of g GPUs: ranks in Megatron's order) retires every replica it
 holds a rank of; each retired replica is adopted by the next live, non-covering replica on the
@@ -15,11 +15,11 @@ by the survivors; a repair costs the rejoin (state transfer and regroup). When n
 lost) and is restarted (`restart_s`) on the replicas left, which then run the whole global batch
 between them (speed = live / D, exact) until repairs let replicas rejoin in-process.
 
-The cover policy is the runtime's planner (`elastic/cover_plan.py`), with a covering micro-batch
+The cover policy is the runtime's planner (`elastic/plan/cover_plan.py`), with a covering micro-batch
 at `cover_ratio / 2` of an exact one: `cover="neighbour"` (the paper's rule, above) or "spread"
 (the lost micro-batches dealt over the survivors, as few approximated as keep the slowest replica
 within the paper's time, or within `budget` normal steps). A what-if beside it:
-* `sharded=True` (the sharded optimizer, elastic/zero.py): every failure and rejoin re-shards the
+* `sharded=True` (the sharded optimizer, elastic/sharding/zero.py): every failure and rejoin re-shards the
   optimizer state (`reshard_s` more), and a replica whose shard copy sat on a replica that failed
   with it (the next live one on the ring: in one domain, or already down) loses that range:
   `on_shard_loss` "give_up" ends the job (a restart and the work since the last periodic
@@ -32,8 +32,8 @@ import dataclasses
 from collections import Counter
 from typing import FrozenSet, Optional
 
-from megatron_mecefo.elastic.cover_plan import Costs, plan_cover
-from megatron_mecefo.elastic.topology import Grid, ring_cover
+from megatron_mecefo.elastic.plan.cover_plan import Costs, plan_cover
+from megatron_mecefo.elastic.plan.topology import Grid, ring_cover
 from megatron_mecefo.errors import NoCoverAvailable
 from megatron_mecefo.sim.engine import Rate, Transition
 from megatron_mecefo.sim.trace import Failure

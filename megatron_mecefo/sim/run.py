@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from megatron_mecefo.elastic.topology import Grid
+from megatron_mecefo.elastic.plan.topology import Grid
 from megatron_mecefo.sim import presets, trace as tr
 from megatron_mecefo.sim.baselines import DropSamples, Reconfigure, Reroute, SparePool, Spread
 from megatron_mecefo.sim.checkpoint_restart import CheckpointRestart, daly_interval

@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import torch
 
-from megatron_mecefo.elastic import chaos
+from megatron_mecefo.testing import chaos
 
 from megatron_mecefo.testing.launch import ROOT
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 
-from megatron_mecefo.elastic.store import CountingStore
+from megatron_mecefo.elastic.comm.store import CountingStore
 
 __all__ = ["Counted"]
 

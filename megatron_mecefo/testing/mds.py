@@ -269,8 +269,8 @@ def check_whole_and_identical(log_dir: Path, dp: int, k: int, iters: int, tp: in
     """Every step first..iters-1 ran the dp x k micro-batches of the global batch exactly once, and the
     replicas' shards at each (tensor, pipeline) position were bit-identical at its start (the chaos
     harness's check, which also counts a member killed between a commit and its record)."""
-    from megatron_mecefo.elastic.chaos import check_steps, generation_plans
-    from megatron_mecefo.elastic.topology import Grid
+    from megatron_mecefo.elastic.plan.topology import Grid
+    from megatron_mecefo.testing.chaos import check_steps, generation_plans
 
     bad = check_steps(step_records(log_dir), Grid(tp=tp, pp=pp, dp=dp), k, iters,
                       generation_plans(log_dir, tp * pp * dp), first=first)

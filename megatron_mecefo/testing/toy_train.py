@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 
 from megatron_mecefo.config import MeCeFOConfig
-from megatron_mecefo.elastic.fold import sample_range
+from megatron_mecefo.elastic.plan.fold import sample_range
 from megatron_mecefo.errors import run_to_exit
 from megatron_mecefo.params import GradGroup, tag_parameters
 
@@ -56,7 +56,7 @@ def parse():
     p.add_argument("--late-rank", type=int, default=-1,
                    help="this rank starts once the others have agreed on generation 0 without it (a late starter)")
     p.add_argument("--sharded", action="store_true",
-                   help="ZeRO-1: the Adam state sharded over the live replicas (elastic/zero.py, shard_redundancy)")
+                   help="ZeRO-1: the Adam state sharded over the live replicas (elastic/sharding/zero.py, shard_redundancy)")
     p.add_argument("--skip-micro-batch", default=None, metavar="RANK:STEP",
                    help="a buggy loop: this rank leaves out its last micro-batch at this step")
     p.add_argument("--abort-hangs", type=int, default=-1, metavar="RANK",
@@ -71,7 +71,7 @@ def hang_first_abort() -> None:
     import threading
     import types
 
-    from megatron_mecefo.elastic import groups
+    from megatron_mecefo.elastic.comm import groups
 
     real = groups.destroy_group
 
@@ -106,7 +106,7 @@ def wait_for_generation_0(env) -> None:
     keyed to the event, not to a delay that a slow machine could outlast."""
     from datetime import timedelta
 
-    from megatron_mecefo.elastic import store
+    from megatron_mecefo.elastic.comm import store
 
     raw = store.client(env.master_addr, env.master_port, timedelta(seconds=300))
     job = store.job_store(raw, store.read_job(raw, f"{env.master_addr}:{env.master_port}", env.job_id)["id"])
@@ -119,8 +119,8 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     if args.reference:
         return reference(args)
+    from megatron_mecefo.elastic.faults.inject import FaultInjector
     from megatron_mecefo.elastic.reduction import Reduction
-    from megatron_mecefo.elastic.inject import FaultInjector
     from megatron_mecefo.elastic.runtime import ElasticRuntime, StateHooks
 
     from megatron_mecefo.config import LaunchEnv
@@ -136,7 +136,7 @@ def main():
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sharded = None
     if args.sharded:
-        from megatron_mecefo.elastic.zero import ShardedOptimizer
+        from megatron_mecefo.elastic.sharding.zero import ShardedOptimizer
 
         sharded = ShardedOptimizer(opt, neighbour_copy=cfg.shard_redundancy == "neighbour", on_loss=cfg.on_shard_loss)
 

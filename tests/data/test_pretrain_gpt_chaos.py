@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from megatron_mecefo.elastic import chaos
-from megatron_mecefo.elastic.chaos import Fault, Schedule
+from megatron_mecefo.testing import chaos
+from megatron_mecefo.testing.chaos import Fault, Schedule
 from tests.helpers import ROOT, run_launcher
 
 pytestmark = [pytest.mark.dist, pytest.mark.fault]

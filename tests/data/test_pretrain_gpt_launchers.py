@@ -159,7 +159,7 @@ def test_two_nodes_with_an_external_store_lose_node_0(tmp_path):
     with --mecefo-store. Node 0's launcher is SIGKILLed with its ranks and keepers once rank 2 has
     trained 3 steps: node 1 covers both lost replicas and finishes every step on the whole batch."""
     store_port, master_port = free_port(), free_port()
-    store = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.store_daemon", "--host", "127.0.0.1",
+    store = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.launch.store_daemon", "--host", "127.0.0.1",
                               "--port", str(store_port), "--grace", "1"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert store.stdout.readline().startswith("ready: the store of job")
     args = _args(tmp_path / "logs", 4, rejoin=False, steps=40) + ["--mecefo-store", f"127.0.0.1:{store_port}"]

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from megatron_mecefo.elastic import chaos
-from megatron_mecefo.elastic.chaos import Fault, Schedule
+from megatron_mecefo.testing import chaos
+from megatron_mecefo.testing.chaos import Fault, Schedule
 from tests.helpers import ROOT, free_port, run_launcher, two_nodes_lose_one
 
 pytestmark = [pytest.mark.dist, pytest.mark.fault]

@@ -121,7 +121,7 @@ def test_zero_stages_2_3_and_fp16_refused_before_training():
     for stage in (2, 3):
         with pytest.raises(ValueError, match=rf'"zero_optimization.stage"={stage} is not supported with MeCeFO'):
             cfg.check_ds_config({"zero_optimization": {"stage": stage}})
-    cfg.check_ds_config({"zero_optimization": {"stage": 1}})  # sharded over the live replicas (elastic/zero.py)
+    cfg.check_ds_config({"zero_optimization": {"stage": 1}})  # sharded over the live replicas (elastic/sharding/zero.py)
     with pytest.raises(ValueError, match="fp16"):
         cfg.check_ds_config({"fp16": {"enabled": True}})
     MeCeFOConfig(enable=False).check_ds_config({"zero_optimization": {"stage": 2}})  # plain training: untouched
@@ -157,8 +157,9 @@ def test_degraded_step_applies_the_mecefo_gradient(tmp_path, megatron_world, cas
     basis "gradient" with tau 100: every covering step projects on the aggregated gradient of step 1,
     the last step without covering."""
 
-    from megatron_mecefo.elastic import Grid, fold_neighbor, ring_cover, reference_gradient, sample_range
-    from megatron_mecefo.elastic.cover_plan import Costs, plan_cover
+    from megatron_mecefo.elastic import Grid, fold_neighbor, ring_cover, sample_range
+    from megatron_mecefo.testing.reference import reference_gradient
+    from megatron_mecefo.elastic.plan.cover_plan import Costs, plan_cover
     from megatron_mecefo.params import GradGroup, grad_group
 
     step = 4  # the survivors cover from step 2; with tau = 2 the weight basis is recomputed at step 4 from these weights

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from megatron_mecefo.config import MeCeFOConfig
-from megatron_mecefo.elastic import chaos
-from megatron_mecefo.elastic.chaos import Fault, Schedule
-from megatron_mecefo.elastic.fold import fold_neighbor
-from megatron_mecefo.elastic.topology import Grid, ring_cover
+from megatron_mecefo.elastic.plan.fold import fold_neighbor
+from megatron_mecefo.elastic.plan.topology import Grid, ring_cover
+from megatron_mecefo.testing import chaos
+from megatron_mecefo.testing.chaos import Fault, Schedule
 
 # -- schedules (pure) ------------------------------------------------------------------------------
 

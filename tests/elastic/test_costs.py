@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from megatron_mecefo.elastic.costs import DEFAULT_COVERING, CostMeter, agreed_costs
-from megatron_mecefo.elastic.cover_plan import Costs, plan_cover
-from megatron_mecefo.elastic.topology import Grid, ring_cover
+from megatron_mecefo.elastic.plan.costs import DEFAULT_COVERING, CostMeter, agreed_costs
+from megatron_mecefo.elastic.plan.cover_plan import Costs, plan_cover
+from megatron_mecefo.elastic.plan.topology import Grid, ring_cover
 
 pytestmark = pytest.mark.unit
 

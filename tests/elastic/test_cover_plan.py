@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from megatron_mecefo.elastic.cover_plan import Costs, plan_cover, predict
-from megatron_mecefo.elastic.fold import fold_neighbor
-from megatron_mecefo.elastic.topology import Grid, ring_cover
+from megatron_mecefo.elastic.plan.cover_plan import Costs, plan_cover, predict
+from megatron_mecefo.elastic.plan.fold import fold_neighbor
+from megatron_mecefo.elastic.plan.topology import Grid, ring_cover
 
 pytestmark = pytest.mark.unit
 
@@ -118,7 +118,7 @@ def test_neighbour_policy_is_the_papers_fold():
 
 def test_the_policies_are_the_configs_choices():
     from megatron_mecefo.config import COVER_CHOICES
-    from megatron_mecefo.elastic.cover_plan import COVER_POLICIES
+    from megatron_mecefo.elastic.plan.cover_plan import COVER_POLICIES
 
     assert COVER_POLICIES == COVER_CHOICES
     with pytest.raises(ValueError, match="cover policy must be one of"):

@@ -200,7 +200,7 @@ def test_no_neighbour_left_checkpoints_and_exits(tmp_path):
 
 
 def test_trace_driven_failures_and_rejoins(tmp_path):
-    from megatron_mecefo.elastic.inject import failure_trace
+    from megatron_mecefo.elastic.faults.inject import failure_trace
 
     steps = 30
     trace = {"mtbf_steps": 7, "recovery_steps": 4, "seed": 3}

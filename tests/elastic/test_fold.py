@@ -2,8 +2,8 @@ import itertools
 
 import pytest
 
-from megatron_mecefo.elastic.fold import MicroBatch, fold_neighbor, sample_range
-from megatron_mecefo.elastic.topology import Grid, ring_cover
+from megatron_mecefo.elastic.plan.fold import MicroBatch, fold_neighbor, sample_range
+from megatron_mecefo.elastic.plan.topology import Grid, ring_cover
 
 pytestmark = pytest.mark.unit
 

@@ -9,12 +9,12 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from megatron_mecefo.elastic.comm.replica import replica_round
 from megatron_mecefo.elastic.membership import Membership, keys
 from megatron_mecefo.elastic.membership.admission import announce
-from megatron_mecefo.elastic.replica import replica_round
-from megatron_mecefo.elastic.topology import Grid
-from megatron_mecefo.testing.counting import Counted
+from megatron_mecefo.elastic.plan.topology import Grid
 from megatron_mecefo.errors import JobAborted, NoCoverAvailable, NotAMember, StateLost
+from megatron_mecefo.testing.counting import Counted
 
 pytestmark = pytest.mark.dist
 
@@ -381,7 +381,7 @@ def test_a_store_that_pauses_for_less_than_the_heartbeat_timeout_declares_nobody
     from tests.helpers import ROOT, free_port
 
     port = free_port()
-    daemon = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.store_daemon", "--host", "127.0.0.1",
+    daemon = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.launch.store_daemon", "--host", "127.0.0.1",
                                "--port", str(port), "--grace", "0", "--idle-timeout", "0"], cwd=ROOT,
                               stdout=subprocess.PIPE, text=True)
     try:

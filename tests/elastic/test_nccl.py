@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import pytest
 
-from megatron_mecefo.elastic import groups, nccl_env
+from megatron_mecefo.elastic.comm import groups, nccl_env
 
 
 def test_every_setting_is_added_to_an_environment_without_them():

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from megatron_mecefo.elastic.shards import ShardLayout, reshard, shard_bounds
-from megatron_mecefo.elastic.topology import Grid, ring_cover
+from megatron_mecefo.elastic.plan.topology import Grid, ring_cover
+from megatron_mecefo.elastic.sharding.shards import ShardLayout, reshard, shard_bounds
 
 pytestmark = pytest.mark.unit
 

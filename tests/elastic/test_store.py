@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import pytest
 
-from megatron_mecefo.elastic import store as job_store
+from megatron_mecefo.elastic.comm import store as job_store
 from megatron_mecefo.errors import JobConflict
 from tests.helpers import ROOT, free_port, run_launcher
 from megatron_mecefo.testing.chaos_runs import TOY_SCRIPT
@@ -64,7 +64,7 @@ def test_mecefo_launch_refuses_a_taken_port(tmp_path):
 def test_store_daemon_ends_with_its_launcher():
     watched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     port = free_port()
-    daemon = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.store_daemon", "--port", str(port),
+    daemon = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.launch.store_daemon", "--port", str(port),
                                "--job-id", "j", "--watch-pid", str(watched.pid), "--grace", "0"],
                               stdout=subprocess.PIPE, text=True)
     assert daemon.stdout.readline().startswith("ready")
@@ -117,7 +117,7 @@ def test_rerun_on_the_port_of_a_killed_job_refuses_then_trains(tmp_path):
         assert f"port {port}" in err and "--stop" in err, err[-2000:]
     assert not _steps(tmp_path / "again", 0) and not _steps(tmp_path / "again", 1), "nothing trains on a foreign store"
 
-    stop = subprocess.run([sys.executable, "-m", "megatron_mecefo.elastic.store_daemon", "--stop", "--port", str(port)],
+    stop = subprocess.run([sys.executable, "-m", "megatron_mecefo.elastic.launch.store_daemon", "--stop", "--port", str(port)],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert stop.returncode == 0, stop.stderr
     deadline = time.monotonic() + 30

@@ -33,7 +33,7 @@ def test_a_killed_store_ends_the_job_with_a_checkpoint_and_a_message(tmp_path, s
     read the commit; a store lost before or during the vote stops every shard at one step, and each
     holder writes its ranges of that step beside the writer's checkpoint."""
     port = free_port()
-    store = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.store_daemon", "--host", "127.0.0.1",
+    store = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.elastic.launch.store_daemon", "--host", "127.0.0.1",
                               "--port", str(port), "--grace", "1"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert store.stdout.readline().startswith("ready: the store of job")
     launcher = subprocess.Popen(

@@ -1,6 +1,6 @@
 import pytest
 
-from megatron_mecefo.elastic.topology import CoverMap, Grid, ring_cover
+from megatron_mecefo.elastic.plan.topology import CoverMap, Grid, ring_cover
 from megatron_mecefo.errors import NoCoverAvailable
 
 pytestmark = pytest.mark.unit

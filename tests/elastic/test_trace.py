@@ -3,8 +3,8 @@ import signal
 
 import pytest
 
-from megatron_mecefo.elastic.inject import FaultInjector, TraceEvent, failure_trace
-from megatron_mecefo.elastic.topology import Grid, ring_cover
+from megatron_mecefo.elastic.faults.inject import FaultInjector, TraceEvent, failure_trace
+from megatron_mecefo.elastic.plan.topology import Grid, ring_cover
 
 pytestmark = pytest.mark.unit
 
@@ -66,7 +66,7 @@ def test_a_trace_under_a_restarting_launcher_holds_for_each_rejoin(monkeypatch):
 
 
 def test_trace_from_events_numbers_incarnations_per_rank():
-    from megatron_mecefo.elastic.inject import trace_from_events
+    from megatron_mecefo.elastic.faults.inject import trace_from_events
 
     assert trace_from_events([[1, 12, 20], [1, 5, 9], [2, 6, 10]]) == [
         TraceEvent(1, 5, 9, 0), TraceEvent(2, 6, 10, 0), TraceEvent(1, 12, 20, 1),
@@ -74,7 +74,7 @@ def test_trace_from_events_numbers_incarnations_per_rank():
 
 
 def test_check_trace_rejects_what_cannot_run():
-    from megatron_mecefo.elastic.inject import check_trace, trace_from_events
+    from megatron_mecefo.elastic.faults.inject import check_trace, trace_from_events
 
     def check(events, world=2, steps=100, restarts=3):
         check_trace(trace_from_events(events), world, steps, restarts)
@@ -96,7 +96,7 @@ def test_check_trace_rejects_what_cannot_run():
 def test_generated_traces_fit_the_restart_budget():
     """The paper's high scenario over 1000 steps on 4 ranks needs far more than 3 restarts per rank;
     with the launcher's budget the generated trace keeps what can run (and passes check_trace)."""
-    from megatron_mecefo.elastic.inject import check_trace, job_trace
+    from megatron_mecefo.elastic.faults.inject import check_trace, job_trace
 
     trace = {"mtbf_steps": 10.0, "recovery_steps": 40, "seed": 0}
     unlimited = job_trace(trace, 4, 1000, None)
@@ -112,7 +112,7 @@ def test_generated_traces_fit_the_restart_budget():
 
 def test_inject_rules_must_name_ranks_of_the_job():
     from megatron_mecefo.config import MeCeFOConfig
-    from megatron_mecefo.elastic.inject import check_rules
+    from megatron_mecefo.elastic.faults.inject import check_rules
 
     cfg = MeCeFOConfig(inject=["kill:9:5", "kill:1:5"])
     check_rules(cfg.inject[1:], 4)

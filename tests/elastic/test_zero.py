@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_mecefo.elastic.zero import ShardedOptimizer, ShardLost
-from megatron_mecefo.testing.launch import free_port
+from megatron_mecefo.elastic.sharding.zero import ShardedOptimizer, ShardLost
 from megatron_mecefo.params import GradGroup
+from megatron_mecefo.testing.launch import free_port
 
 pytestmark = pytest.mark.dist
 
@@ -205,8 +205,8 @@ def test_reinit_restarts_only_the_lost_range_as_a_fresh_adamw(tmp_path):
 
 def rs_worker(rank, port, world, neighbour, out):
     """Every rank's own summed gradients (and stats), reduced both ways over one gloo group."""
-    from megatron_mecefo.elastic.gradients import divisor_scale, reduce_with_divisors
-    from megatron_mecefo.elastic.shard_grads import reduce_scatter_with_divisors
+    from megatron_mecefo.elastic.comm.gradients import divisor_scale, reduce_with_divisors
+    from megatron_mecefo.elastic.comm.shard_grads import reduce_scatter_with_divisors
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
@@ -277,7 +277,7 @@ def abort_worker(rank, port, where, out):
     group's 30 s timeout."""
     import time
 
-    from megatron_mecefo.elastic.groups import PeerAborted
+    from megatron_mecefo.elastic.comm.groups import PeerAborted
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)

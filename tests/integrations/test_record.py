@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from megatron_mecefo.elastic.topology import CoverMap, Grid
+from megatron_mecefo.elastic.plan.topology import CoverMap, Grid
 from megatron_mecefo.integrations.record import Record
 
 pytestmark = pytest.mark.unit

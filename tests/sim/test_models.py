@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from megatron_mecefo.elastic.topology import Grid
+from megatron_mecefo.elastic.plan.topology import Grid
 from megatron_mecefo.sim import trace as tr
 from megatron_mecefo.sim.checkpoint_restart import CheckpointRestart, daly_interval, daly_segment_time
 from megatron_mecefo.sim.engine import simulate
@@ -168,10 +168,10 @@ def test_node_event_traces_repair_on_a_later_addition():
 
 
 def test_spread_runs_the_runtimes_planner():
-    """cover "spread" in the simulator is elastic/cover_plan.py's plan: D = 8, k = 8, one replica
+    """cover "spread" in the simulator is elastic/plan/cover_plan.py's plan: D = 8, k = 8, one replica
     lost, a covering micro-batch at 0.6 of an exact one."""
-    from megatron_mecefo.elastic.cover_plan import Costs, plan_cover
-    from megatron_mecefo.elastic.topology import ring_cover
+    from megatron_mecefo.elastic.plan.cover_plan import Costs, plan_cover
+    from megatron_mecefo.elastic.plan.topology import ring_cover
 
     grid = Grid(dp=8)
     neighbour = MeCeFO(grid, cover_ratio=1.2).rate(frozenset({3}))

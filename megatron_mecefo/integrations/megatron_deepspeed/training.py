@@ -24,7 +24,7 @@ Data parallelism across replicas belongs to the runtime. The consequences, handl
   validation loss equals an unpatched run's.
 * checkpoints and logs: one replica (the lowest live) saves; the others' log lines are silenced.
   With ds_config "zero_optimization.stage": 1 the optimizer state is sharded over the replicas
-  (elastic/zero.py; the engine runs stage 0) and every rank writes its shards beside upstream's files.
+  (elastic/sharding/zero.py; the engine runs stage 0) and every rank writes its shards beside upstream's files.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
-from megatron_mecefo.elastic.groups import default_backend
+from megatron_mecefo.elastic.comm.groups import default_backend
 from megatron_mecefo.integrations.common import (State, UsageError, arg_counters, data_prefixes, keep_training_set,
                                                   init_replica_then_upstream, micro_batch, refuse, shared_refusals,
                                                   usage_errors)
@@ -62,7 +62,7 @@ def read_ds_config(args) -> Dict[str, Any]:
 
 def check_args(args, ds_config: Dict[str, Any], cfg: MeCeFOConfig, job: LaunchEnv) -> None:
     """Refuse, before anything starts, what MeCeFO cannot run in Megatron-DeepSpeed (ValueError)."""
-    from megatron_mecefo.elastic.inject import check_job
+    from megatron_mecefo.elastic.faults.inject import check_job
 
     refuse([
         (not args.deepspeed, "--mecefo needs --deepspeed (Megatron's own optimizer and DDP are not supported)"),

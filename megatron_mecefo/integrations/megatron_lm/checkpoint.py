@@ -179,7 +179,7 @@ def gathered(args, model, optimizer, shards, directory: str, *, stamp: str, time
     got = shards.collect(directory, stamp, timeout_s, log)
     if got is None:
         return None
-    from megatron_mecefo.elastic.zero import innermost_optimizer
+    from megatron_mecefo.elastic.sharding.zero import innermost_optimizer
     from megatron_mecefo.integrations.megatron_lm.dist_checkpoint import fully_reshardable_state_dict
 
     whole, scalars, parts = got

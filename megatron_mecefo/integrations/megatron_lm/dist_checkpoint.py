@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_mecefo.elastic.state_source import Piece, StateSource
+from megatron_mecefo.elastic.sharding.state_source import Piece, StateSource
 
 __all__ = ["dist_optimizer_state", "fully_reshardable_state_dict", "bucket_offsets", "sharding_type"]
 

@@ -1,5 +1,5 @@
 """Megatron-LM's optimizer under MeCeFO's sharded state (`--use-distributed-optimizer`): the
-runtime's ShardedOptimizer (elastic/zero.py) steps the torch optimizer inside Megatron's wrapper,
+runtime's ShardedOptimizer (elastic/sharding/zero.py) steps the torch optimizer inside Megatron's wrapper,
 and the wrapper's gradient norm and clipping are pointed at the reduce-scattered shards. Patches
 instances only; upstream's classes stay as they are."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
-from megatron_mecefo.elastic.zero import ShardedOptimizer
+from megatron_mecefo.elastic.sharding.zero import ShardedOptimizer
 
 __all__ = ["sharded_state", "bf16_parameters"]
 

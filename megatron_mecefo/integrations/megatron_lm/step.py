@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_mecefo.elastic.runtime import StepPlan
+from megatron_mecefo.elastic.sharding.zero import ShardedOptimizer
 from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver
-from megatron_mecefo.elastic.zero import ShardedOptimizer
 
 __all__ = ["Step"]
 

@@ -24,7 +24,7 @@ reduces the DDP gradient buffers (`main_grad`) itself. The consequences, handled
   validation loss equals an unpatched run's.
 * `--use-distributed-optimizer`: upstream's distributed optimizer would shard over the replica's
   data-parallel group (size 1 here). Upstream builds its plain optimizer instead, and the runtime
-  shards that optimizer's state over the live replicas (elastic/zero.py, each shard also on its
+  shards that optimizer's state over the live replicas (elastic/sharding/zero.py, each shard also on its
   covering neighbour). Checkpoints: upstream's files (model, scheduler, RNG, counters, the fp32
   parameters; no moments) from one replica, plus every rank's shard files in the same `iter_N`
   directory; `--load` reads them at any replica count.
@@ -60,7 +60,7 @@ STATE = State()
 
 def check_args(args, cfg: MeCeFOConfig, job: LaunchEnv) -> None:
     """Refuse, before anything starts, what MeCeFO cannot run in Megatron-LM (ValueError)."""
-    from megatron_mecefo.elastic.inject import check_job
+    from megatron_mecefo.elastic.faults.inject import check_job
 
     spec = list(args.spec) if args.spec else None
     refuse(shared_refusals(args) + [
@@ -201,7 +201,7 @@ def _no_fp32_copies(active: bool):
     """`--bf16` with the sharded state: upstream builds its FP32Optimizer over the bf16 parameters
     (as its layer-wise optimizer does, optimizer/muon.py) instead of a mixed-precision wrapper with
     fp32 copies of every parameter on every rank; the sharded state keeps the fp32 masters of its
-    held ranges only (elastic/zero.py; optimizer.py's `bf16_parameters`)."""
+    held ranges only (elastic/sharding/zero.py; optimizer.py's `bf16_parameters`)."""
     import megatron.training.training as training
 
     build = training.get_megatron_optimizer

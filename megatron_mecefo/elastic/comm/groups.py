@@ -183,7 +183,7 @@ def replica_min(values: Sequence[float]) -> list:
     failed rank."""
     if not dist.is_initialized():
         raise RuntimeError("tensor or pipeline parallelism needs torch.distributed initialised over the replica "
-                           "(megatron_mecefo.elastic.bootstrap.init_distributed)")
+                           "(megatron_mecefo.elastic.launch.bootstrap.init_distributed)")
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     t = torch.tensor(list(values), dtype=torch.float32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)

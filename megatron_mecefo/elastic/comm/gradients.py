@@ -9,7 +9,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from megatron_mecefo.elastic import groups
+from megatron_mecefo.elastic.comm import groups
 from megatron_mecefo.params import GradGroup, grad_group
 
 __all__ = ["reduce_with_divisors", "divisor_scale"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from megatron_mecefo.elastic.topology import ring_after
+from megatron_mecefo.elastic.plan.topology import ring_after
 
 __all__ = ["shard_bounds", "ShardLayout", "Move", "Reshard", "reshard"]
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from megatron_mecefo.elastic import groups
+from megatron_mecefo.elastic.comm import groups
 from megatron_mecefo.errors import MeCeFOError
 
 __all__ = ["broadcast_state", "decode_state"]

@@ -9,7 +9,7 @@ with the job: 0 when training finished, 3 when it gave up, 2 on bad input, 128 +
 (SIGTERM, SIGINT: the launcher or scheduler) ends it, which it forwards to the child first. The child
 dies with its keeper (PR_SET_PDEATHSIG). The keeper holds no model, no data and no accelerator.
 
-The job's store (elastic/store.py), in order of preference:
+The job's store (elastic/comm/store.py), in order of preference:
 * `store` = HOST:PORT: a `mecefo-store` on a node that does not train; losing any node is survived;
 * under torchrun: the agent's own store (MASTER_ADDR:MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE),
   the job named after torchrun's run id and restart count; it lives as long as the agent that hosts
@@ -30,10 +30,10 @@ from datetime import timedelta
 from typing import NoReturn, Optional, Tuple
 
 from megatron_mecefo.config import LaunchEnv
-from megatron_mecefo.elastic import nccl_env
-from megatron_mecefo.elastic import store as job_store
-from megatron_mecefo.elastic.store_daemon import spawn_store_daemon
-from megatron_mecefo.elastic.supervise import Rank, Supervisor
+from megatron_mecefo.elastic.comm import nccl_env
+from megatron_mecefo.elastic.comm import store as job_store
+from megatron_mecefo.elastic.launch.store_daemon import spawn_store_daemon
+from megatron_mecefo.elastic.launch.supervise import Rank, Supervisor
 from megatron_mecefo.errors import USAGE_EXIT_CODE, JobConflict, exit_now
 
 __all__ = ["keep", "keep_early", "job_store_for"]

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from megatron_mecefo.elastic.store import STOP_KEY, describe_busy_port, host_store, job_store, new_job_id, request_stop
+from megatron_mecefo.elastic.comm.store import STOP_KEY, describe_busy_port, host_store, job_store, new_job_id, request_stop
 from megatron_mecefo.errors import JobConflict
 
 __all__ = ["spawn_store_daemon", "main"]
@@ -39,7 +39,7 @@ def spawn_store_daemon(host: str, port: int, job_id: str, watch_pid: int, wait_s
             which and how to stop it).
     """
     proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_mecefo.elastic.store_daemon", "--host", host, "--port", str(port),
+        [sys.executable, "-m", "megatron_mecefo.elastic.launch.store_daemon", "--host", host, "--port", str(port),
          "--job-id", job_id, "--watch-pid", str(watch_pid)],
         start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
     )

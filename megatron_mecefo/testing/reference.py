@@ -12,7 +12,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from megatron_mecefo.approx import CoverPolicy, covering
-from megatron_mecefo.elastic.fold import Fold, MicroBatch, micro_batch_policy
+from megatron_mecefo.elastic.plan.fold import Fold, MicroBatch, micro_batch_policy
 from megatron_mecefo.params import GradGroup, grad_group
 
 __all__ = ["reference_gradient"]

@@ -21,7 +21,7 @@ import statistics
 import time
 from typing import Deque, Mapping, Optional, Sequence
 
-from megatron_mecefo.elastic.cover_plan import Costs
+from megatron_mecefo.elastic.plan.cover_plan import Costs
 
 __all__ = ["CostMeter", "agreed_costs", "summarize_costs", "read_costs", "DEFAULT_COVERING"]
 

@@ -78,7 +78,7 @@ def failure_trace(world: int, total_steps: int, mtbf_steps: float, recovery_step
     `max_restarts` (None: unlimited; 0 under a launcher that does not restart) stays down to the end
     once it fails. Pure: every rank computes the same trace from the same arguments.
     """
-    from megatron_mecefo.elastic.topology import Grid
+    from megatron_mecefo.elastic.plan.topology import Grid
 
     if mtbf_steps <= 0 or recovery_steps < 1:
         raise ValueError("failure_trace needs mtbf_steps > 0 and recovery_steps >= 1")
@@ -106,7 +106,7 @@ def failure_trace(world: int, total_steps: int, mtbf_steps: float, recovery_step
 
 
 def _absorbable(grid, events: Sequence[TraceEvent], step: int) -> bool:
-    from megatron_mecefo.elastic.topology import ring_cover
+    from megatron_mecefo.elastic.plan.topology import ring_cover
     from megatron_mecefo.errors import NoCoverAvailable
 
     try:
@@ -133,7 +133,7 @@ def check_trace(events: Sequence[TraceEvent], world: int, total_steps: int, max_
     after its rejoin step); a rank that must come back before the end is within `max_restarts`
     (None: not known, not checked; 0: the launcher restarts nobody).
     """
-    from megatron_mecefo.elastic.topology import Grid
+    from megatron_mecefo.elastic.plan.topology import Grid
 
     grid = Grid(dp=world)
     name = lambda e: f"[{e.rank}, {e.fail_step}, {e.rejoin_step}]"  # noqa: E731

@@ -33,10 +33,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
-from megatron_mecefo.elastic.fold import fold_neighbor
-from megatron_mecefo.elastic.topology import CoverMap, Grid, ring_cover
-from megatron_mecefo.log import read_jsonl
+from megatron_mecefo.elastic.plan.fold import fold_neighbor
+from megatron_mecefo.elastic.plan.topology import CoverMap, Grid, ring_cover
 from megatron_mecefo.errors import NoCoverAvailable
+from megatron_mecefo.log import read_jsonl
 
 __all__ = ["Fault", "Schedule", "random_schedule", "run_schedule", "check_run", "check_steps", "generation_plans", "time_bound", "RunResult"]
 

@@ -27,7 +27,7 @@ import dataclasses
 import math
 from typing import Callable, Dict, List, Tuple
 
-from megatron_mecefo.elastic.topology import CoverMap
+from megatron_mecefo.elastic.plan.topology import CoverMap
 
 __all__ = ["MicroBatch", "Fold", "FoldPolicy", "fold_neighbor", "with_attention_floor", "micro_batch_policy", "sample_range", "APPROXIMATE_MODES"]
 

@@ -1,12 +1,12 @@
 """Where a sharded optimizer state starts from: pieces of the flat range [0, numel) of a checkpoint.
 
     source = StateSource(numel, pieces, origin="DIR/global_step6 (DeepSpeed ZeRO stage 1, 2 ranks)")
-    sharded.load(source)            # elastic/zero.py: each rank reads the ranges it will hold
+    sharded.load(source)            # elastic/sharding/zero.py: each rank reads the ranges it will hold
 
 A piece is a range of the flat state (the optimizer's parameters in param-group order) with a
 reader per key (AdamW: "exp_avg", "exp_avg_sq"; "master": fp32 masters of lower-precision
 parameters) and its scalars (AdamW: "step"). The readers of each format build the pieces:
-MeCeFO's shard files (elastic/zero.py), DeepSpeed's ZeRO partitions
+MeCeFO's shard files (elastic/sharding/zero.py), DeepSpeed's ZeRO partitions
 (deepspeed_hook/zero_checkpoint.py), Megatron's distributed optimizer
 (integrations/megatron_lm/dist_checkpoint.py). Readers are called lazily, so a rank touches only
 the pieces its ranges overlap (files opened with mmap).

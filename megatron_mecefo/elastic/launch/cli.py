@@ -43,9 +43,9 @@ import os
 import sys
 from datetime import timedelta
 
-from megatron_mecefo.elastic import nccl_env
-from megatron_mecefo.elastic import store as job_store
-from megatron_mecefo.elastic.supervise import Rank, Supervisor
+from megatron_mecefo.elastic.comm import nccl_env
+from megatron_mecefo.elastic.comm import store as job_store
+from megatron_mecefo.elastic.launch.supervise import Rank, Supervisor
 from megatron_mecefo.errors import USAGE_EXIT_CODE
 
 __all__ = ["main"]

@@ -24,7 +24,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_mecefo.elastic import groups
+from megatron_mecefo.elastic.comm import groups
 
 __all__ = ["reduce_scatter_with_divisors"]
 

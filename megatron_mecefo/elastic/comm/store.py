@@ -151,7 +151,7 @@ def attach(host: str, port: int, *, rank: int, incarnation: int, job_id: Optiona
     info = read_job(raw, where, job_id)
     store = job_store(raw, info["id"])
     remedy = (f"the store at {where} is left over from an earlier run (job {info['id']}, store pid {info['pid']} on "
-              f"{info['host']}). Wait for it to exit, stop it with `python -m megatron_mecefo.elastic.store_daemon "
+              f"{info['host']}). Wait for it to exit, stop it with `mecefo-store "
               f"--stop --host {host} --port {port}`, or use another MASTER_PORT")
     if job_id is None and incarnation == 0 and (store.check(["job/finished"]) or store.check(["job/failed"])):
         raise JobConflict(f"[rank {rank}] that job has already ended: {remedy}")
@@ -174,7 +174,7 @@ def describe_busy_port(host: str, port: int) -> str:
              else "not finished (its ranks were killed, or it is still running)")
     return (f"port {port} on {host} is held by the store of another MeCeFO job (id {info['id']}, store pid "
             f"{info['pid']} on {info['host']}, started {time.strftime('%H:%M:%S', time.localtime(info['created']))}, "
-            f"{state}). If that job is over, stop its store with `python -m megatron_mecefo.elastic.store_daemon "
+            f"{state}). If that job is over, stop its store with `mecefo-store "
             f"--stop --host {host} --port {port}` (it also exits on its own once its ranks' heartbeats have stopped "
             "for a minute); otherwise choose another MASTER_PORT / --master-port")
 

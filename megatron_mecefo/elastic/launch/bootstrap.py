@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_mecefo.config import LaunchEnv
-from megatron_mecefo.elastic import nccl_env
-from megatron_mecefo.elastic import store as job_store
+from megatron_mecefo.elastic.comm import nccl_env
+from megatron_mecefo.elastic.comm import store as job_store
+from megatron_mecefo.elastic.comm.replica import replica_round, watch_replica
 from megatron_mecefo.elastic.membership import Membership, OrphanWatch
-from megatron_mecefo.elastic.replica import replica_round, watch_replica
-from megatron_mecefo.elastic.topology import Grid
+from megatron_mecefo.elastic.plan.topology import Grid
 from megatron_mecefo.errors import GaveUp
 from megatron_mecefo.log import EventLog
 
@@ -46,7 +46,7 @@ def init_distributed(backend: str = "gloo", tensor_parallel: int = 1, pipeline_p
     give-up is recorded in `log_dir`'s events_rank{R}.jsonl.
 
     Under mecefo-launch the job's store is the launcher's. Under another launcher (deepspeed,
-    torchrun, srun, by hand) this process becomes the rank's keeper (elastic/keeper.py): it finds or
+    torchrun, srun, by hand) this process becomes the rank's keeper (elastic/launch/keeper.py): it finds or
     starts the job's store (`store`: HOST:PORT of a mecefo-store), runs the training in a child that
     re-enters here as under mecefo-launch, restarts it `restart_failed_after` seconds after a crash
     (at most `max_restarts` times; None: never), and exits with the job; it never returns.
@@ -66,7 +66,7 @@ def init_distributed(backend: str = "gloo", tensor_parallel: int = 1, pipeline_p
     # mecefo-launch or the keeper started this process (they reported unsafe values)
     nccl_env.apply(log=None if env.mecefo_launcher else lambda w: print(f"[mecefo] warning: {w}", file=sys.stderr))
     if not env.mecefo_launcher:
-        from megatron_mecefo.elastic.keeper import keep
+        from megatron_mecefo.elastic.launch.keeper import keep
 
         keep(env, restart_failed_after=restart_failed_after, max_restarts=max_restarts, store=store)
     raw = job_store.client(env.master_addr, env.master_port, timedelta(seconds=300))

@@ -25,8 +25,8 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
-from megatron_mecefo.elastic.fold import Fold, MicroBatch, fold_neighbor, with_attention_floor
-from megatron_mecefo.elastic.topology import CoverMap, ring_after
+from megatron_mecefo.elastic.plan.fold import Fold, MicroBatch, fold_neighbor, with_attention_floor
+from megatron_mecefo.elastic.plan.topology import CoverMap, ring_after
 
 __all__ = ["COVER_POLICIES", "Costs", "CoverPlan", "plan_cover", "predict"]
 

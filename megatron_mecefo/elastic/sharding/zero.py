@@ -36,8 +36,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_mecefo.elastic.shards import Reshard, ShardLayout, reshard
-from megatron_mecefo.elastic.state_source import Piece, StateSource
+from megatron_mecefo.elastic.sharding.shards import Reshard, ShardLayout, reshard
+from megatron_mecefo.elastic.sharding.state_source import Piece, StateSource
 from megatron_mecefo.errors import GaveUp
 
 __all__ = ["ShardedOptimizer", "ShardLost", "innermost_optimizer"]
@@ -173,7 +173,7 @@ class ShardedOptimizer:
         Megatron's wrappers) for this rank's (tp, pp) position of `job` (a LaunchEnv), as the
         MeCeFOConfig `cfg` asks (shard_redundancy, on_shard_loss). `sources`: id(optimizer
         parameter) -> the host parameter holding its gradient, where they differ."""
-        from megatron_mecefo.elastic.topology import Grid
+        from megatron_mecefo.elastic.plan.topology import Grid
 
         tp, pp = Grid(tp=tensor_parallel, pp=pipeline_parallel,
                       dp=job.world // (tensor_parallel * pipeline_parallel)).position(job.rank)
@@ -427,7 +427,7 @@ class ShardedOptimizer:
             elif mv.dst == mine:
                 incoming[replicas.index(mv.src)].append(mv)
         if any(not mv.local for mv in change.moves):  # the moves are the same on every peer: all call it or none
-            from megatron_mecefo.elastic import groups
+            from megatron_mecefo.elastic.comm import groups
 
             device = next(p.device for g in self.optimizer.param_groups for p in g["params"])
             send_splits = [sum(t.numel() for t in ts) for ts in outgoing]
@@ -459,7 +459,7 @@ class ShardedOptimizer:
         if me == donor:
             live = list(self.layout.live) if self.layout is not None else [-1]
             info[:len(live)] = torch.tensor(live)
-        from megatron_mecefo.elastic import groups
+        from megatron_mecefo.elastic.comm import groups
 
         groups.broadcast_(group, info, donor, should_abort)
         live = [int(x) for x in info if x != -2]
@@ -471,7 +471,7 @@ class ShardedOptimizer:
         """Every old shard's parameters from a surviving holder (its owner, else its copy's holder, else
         the lowest survivor) to every peer: after a gather that a death cut short, no rank keeps a
         half-updated model."""
-        from megatron_mecefo.elastic import groups
+        from megatron_mecefo.elastic.comm import groups
 
         for owner in old.live:
             a, b = old.shard(owner)
@@ -629,7 +629,7 @@ def _segments(scalars: Dict[str, torch.Tensor], start: int, n: int) -> List[Tupl
 
 def _whole_layout_moves(new: ShardLayout, held_by) -> Reshard:
     """Every holder holds everything: each range from itself if it holds, else from the lowest holder."""
-    from megatron_mecefo.elastic.shards import Move
+    from megatron_mecefo.elastic.sharding.shards import Move
 
     first = min(held_by)
     moves = tuple(Move(dst if dst in held_by else first, dst, a, b, into)
