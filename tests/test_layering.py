@@ -28,7 +28,7 @@ FORBIDDEN = {
     # imported by a patched Megatron-LM script before upstream's own imports settle: nothing heavy
     "megatron_mecefo.integrations.megatron_lm": ("megatron", "deepspeed", "megatron_mecefo.layers"),
     "megatron_mecefo.integrations.megatron_lm.training": ("megatron", "deepspeed", "megatron_mecefo.layers"),
-    "megatron_mecefo.integrations.megatron_lm.step": ("deepspeed",),
+    "megatron_mecefo.integrations.megatron_lm.host": ("deepspeed",),
     "megatron_mecefo.elastic.launch.bootstrap": ("megatron", "deepspeed", "megatron_mecefo.layers"),
     "megatron_mecefo.patch": ("torch", "megatron", "deepspeed"),
 }

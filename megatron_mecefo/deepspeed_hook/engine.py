@@ -227,13 +227,11 @@ class MeCeFOEngine(DrivenHost):
             return
         from megatron_mecefo.deepspeed_hook.zero_checkpoint import write_zero_checkpoint
 
-        rt = self.driver.runtime
         tag_dir = os.path.join(save_dir, f"global_step{self.engine.global_steps}")
-        stamp = f"{rt.job_id}:{rt.generation}:{self.engine.global_steps}"
-        self.sharded.save(tag_dir, copies=False, stamp=stamp)
-        if rt.leads():
-            write_zero_checkpoint(self.sharded, tag_dir, mp_rank=self.engine.checkpoint_mp_rank, stamp=stamp,
-                                  timeout_s=rt.cfg.collective_timeout_s, clip_grad=self.clip_grad, log=rt.log)
+        got = self.driver.save_shards(tag_dir, self.engine.global_steps)
+        if got is not None:  # the lead replica, with every shard of this save
+            write_zero_checkpoint(self.sharded, tag_dir, got, mp_rank=self.engine.checkpoint_mp_rank,
+                                  clip_grad=self.clip_grad)
 
     def close(self) -> None:
         self.driver.close()

@@ -17,7 +17,7 @@ from megatron_mecefo.deepspeed_hook.zero_checkpoint import (skip_zero_optimizer,
                                                             zero_state)
 from megatron_mecefo.elastic.attach import attach
 from megatron_mecefo.elastic.comm.groups import default_backend
-from megatron_mecefo.elastic.give_up import SHARDS_VISIBLE_S
+from megatron_mecefo.elastic.give_up import collect_given_up
 from megatron_mecefo.elastic.launch.bootstrap import init_distributed, replica_groups_time_out
 from megatron_mecefo.elastic.runtime import StateHooks
 from megatron_mecefo.elastic.sharding.zero import ShardedOptimizer, innermost_optimizer
@@ -151,7 +151,7 @@ def wrap_engine(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: i
     if shards is not None and save_dir is not None:
         save_shards = lambda: shards.save(os.path.join(save_dir, f"global_step{engine.global_steps}"))  # noqa: E731
     if shards is not None and save is not None:  # the give-up checkpoint gathers the holders' shards
-        save = _gathering(save, shards, engine, SHARDS_VISIBLE_S, clip_grad)
+        save = _gathering(save, shards, engine, clip_grad)
     wrapper = MeCeFOEngine(engine, micro_batch_size=micro_batch_size, model_parallel=tensor_parallel * pipeline_parallel,
                            clip_grad=clip_grad, sharded=shards)
     load_shards = None
@@ -187,14 +187,15 @@ def _loaded_optimizer_state(engine, shards: Optional[ShardedOptimizer], load_dir
     return found if found is not None or not shards.has_files(tag) else tag  # shard files: a give-up's
 
 
-def _gathering(save, shards: ShardedOptimizer, engine, timeout_s: float, clip_grad: float):
+def _gathering(save, shards: ShardedOptimizer, engine, clip_grad: float):
     """The give-up checkpoint's `save`, then DeepSpeed's ZeRO file from the shards every holder wrote."""
     import logging
 
     def save_and_gather():
         path = save()
-        write_zero_checkpoint(shards, path, mp_rank=engine.checkpoint_mp_rank, stamp="", timeout_s=timeout_s,
-                              clip_grad=clip_grad, log=logging.getLogger(__name__))
+        got = collect_given_up(shards, path, logging.getLogger(__name__))
+        if got is not None:  # else the shard files stay: MeCeFO resumes from them
+            write_zero_checkpoint(shards, path, got, mp_rank=engine.checkpoint_mp_rank, clip_grad=clip_grad)
         return path
 
     return save_and_gather

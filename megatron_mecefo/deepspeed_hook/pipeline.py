@@ -8,19 +8,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["pipeline_sends_in_groups", "is_pipeline_engine", "train_batch"]
-
-
-def pipeline_sends_in_groups() -> None:
-    """DeepSpeed's pipeline engine sends and receives activations with `send`/`recv` on the default
-    group, whose gloo receive waits out the timeout the group was created with (start-up's, long).
-    Its other path (DeepSpeed's own, for torch < 1.8) broadcasts over a two-rank group per pair of
-    adjacent stages; those groups take the collective timeout once the rank trains
-    (`replica_groups_time_out`), so a hung stage fails its neighbour in time. Call before the
-    engine is built."""
-    from deepspeed.runtime.pipe import p2p
-
-    p2p.can_send_recv = lambda: False
+__all__ = ["is_pipeline_engine", "train_batch"]
 
 
 def is_pipeline_engine(engine) -> bool:

@@ -118,19 +118,14 @@ def _tensor(path: str, g: int, key: str, lo: int, hi: int) -> torch.Tensor:
     return _group_state(sd, g)[key][lo:hi]  # the rigid state keeps the alignment padding at its end
 
 
-def write_zero_checkpoint(sharded, tag_dir: str, *, mp_rank: int, stamp: str, timeout_s: float, clip_grad: float,
-                          log) -> Optional[str]:
-    """On the lead replica's rank of a position, after every rank wrote its shard (`sharded.save(tag_dir,
-    copies=False, stamp=stamp)`): replace the shard files with DeepSpeed's ZeRO file of the whole
-    state. Returns its path; None (the shard files stay, MeCeFO still resumes them) when the
-    shards do not all arrive within timeout_s."""
+def write_zero_checkpoint(sharded, tag_dir: str, got, *, mp_rank: int, clip_grad: float) -> str:
+    """On the lead replica's rank of a position, with the whole state collected from every rank's
+    shard (`got`: StepDriver.save_shards, give_up.collect_given_up): replace the shard files with
+    DeepSpeed's ZeRO file of the whole state. Returns its path."""
     import deepspeed
     from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE_STEP
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    got = sharded.collect(tag_dir, stamp, timeout_s, log)
-    if got is None:
-        return None
     state, scalars, parts = got
     params = state["master"] if "master" in state else sharded.whole_parameters()
     groups, masters, steps = [], [], sharded.group_steps(scalars)

@@ -14,11 +14,18 @@ from typing import Callable, Optional, Sequence
 
 from megatron_mecefo.elastic.plan.topology import Grid
 
-__all__ = ["GiveUpCheckpoint", "write_checkpoint", "SHARDS_VISIBLE_S"]
+__all__ = ["GiveUpCheckpoint", "write_checkpoint", "collect_given_up", "SHARDS_VISIBLE_S"]
 
 SHARDS_VISIBLE_S = 5.0
 """How long a host's give-up `save` looks for the holders' shard files, which GiveUpCheckpoint has
 waited for already: time for a shared file system to show them."""
+
+
+def collect_given_up(sharding, directory: str, log) -> Optional[tuple]:
+    """In a host's give-up `save`: the whole sharded optimizer state from the files every holder
+    wrote under `directory` (unstamped), for the host to write in its upstream format
+    (`ShardedOptimizer.collect`; None when they are not all visible within SHARDS_VISIBLE_S)."""
+    return sharding.collect(directory, "", SHARDS_VISIBLE_S, log)
 
 
 def write_checkpoint(store, grid: Grid, rank: int, *, step: int, has_state: bool,

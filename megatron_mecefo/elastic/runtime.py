@@ -297,6 +297,25 @@ class ElasticRuntime:
         """This rank's replica is the lowest live one: it saves (upstream's files) and logs."""
         return self.grid.replica_of(self.rank) == min(self.cover_map().live)
 
+    def leads_among_whole(self) -> bool:
+        """This rank's replica is the lowest live one whose ranks all still beat now (the lead may
+        have died since the generation formed): who speaks for the lead at the end of training."""
+        live = [r for r in sorted(self.cover_map().live)
+                if set(self.grid.ranks_of_replica(r)) <= set(self.membership.alive(self.grid.ranks_of_replica(r)))]
+        return bool(live) and live[0] == self.grid.replica_of(self.rank)
+
+    def read_mark(self, name: str) -> Optional[str]:
+        """A host's mark for this rank's (tp, pp) position in the job's store (None: never set)."""
+        key = self._mark_key(name)
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def write_mark(self, name: str, value: str) -> None:
+        self.store.set(self._mark_key(name), value)
+
+    def _mark_key(self, name: str) -> str:
+        tp, pp = self.grid.position(self.rank)
+        return f"{name}/t{tp}p{pp}"
+
     def cover_map(self) -> CoverMap:
         """The current generation's cover map."""
         return self._cover

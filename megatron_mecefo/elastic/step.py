@@ -161,6 +161,26 @@ class StepDriver:
     def step(self) -> int:
         return self.runtime.step
 
+    def samples_of_other_replicas(self) -> int:
+        """What a committed step consumed beyond one replica's micro-batches: (D - 1) x micro-batch
+        size x k, run by the other replicas or by this one covering. Megatron's train() counts the
+        one replica it sees (its data-parallel size is 1 here); the host adds this."""
+        return (self.runtime.grid.dp - 1) * self.micro_batch_size * self.runtime.k
+
+    def save_shards(self, directory: str, iteration: int, *, collect: bool = True) -> Optional[tuple]:
+        """Every rank's part of a checkpoint with a sharded optimizer state, at upstream's save of
+        `iteration`: its shard under `directory`, stamped with this save (job, generation,
+        iteration). On the lead replica, returns the whole state once the owners' shards of the
+        same stamp cover it (`ShardedOptimizer.collect`), for the host to write in its upstream
+        format; None elsewhere, without `collect` (the host's format cannot hold it), or when they
+        do not within the collective timeout (the shard files stay: MeCeFO resumes from them)."""
+        rt, sharding = self.runtime, self.reduction.sharding
+        stamp = f"{rt.job_id}:{rt.generation}:{iteration}"
+        sharding.save(directory, copies=False, stamp=stamp)
+        if not (collect and rt.leads()):
+            return None
+        return sharding.collect(directory, stamp, self.cfg.collective_timeout_s, rt.log)
+
     # -- the sequence -----------------------------------------------------------------------------
 
     def begin(self, step: int) -> StepPlan:

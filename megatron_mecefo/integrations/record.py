@@ -38,7 +38,7 @@ import sys
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-__all__ = ["Record", "Recorder", "Carry"]
+__all__ = ["Record", "Recorder", "Carry", "tensorboard_writer"]
 
 _MARK = "record/emitted"
 _KEEP = 64  # entries kept by a non-lead replica: a dead lead is replaced within a step or two
@@ -105,14 +105,14 @@ class Record:
     """Wraps upstream's log functions for one rank (see the module docstring).
 
     Args:
-        state: the adapter's `common.State` (its driver, its lead()).
+        run: the adapter's `run.Run` (its driver, its lead()).
         training: upstream's training module (its `get_tensorboard_writer` / `get_wandb_writer`).
         make_tb_writer: () -> a SummaryWriter or None, for a replica whose rank upstream gave none
             (upstream creates one on the job's last rank only).
     """
 
-    def __init__(self, state, training, make_tb_writer: Callable[[], Any] = lambda: None) -> None:
-        self.state = state
+    def __init__(self, run, training, make_tb_writer: Callable[[], Any] = lambda: None) -> None:
+        self.run = run
         self.training = training
         self.make_tb_writer = make_tb_writer
         self.pending: Deque[Tuple[Tuple[int, int], str, list]] = collections.deque(maxlen=_KEEP)
@@ -131,7 +131,7 @@ class Record:
         signature = inspect.signature(original) if carries else None
 
         def logged(*a, **kw):
-            if not self.state.active or self.state.driver is None:
+            if not self.run.active or self.run.driver is None:
                 return original(*a, **kw)
             if carries:
                 a, kw = self.carry.bind(signature, a, kw)
@@ -147,7 +147,7 @@ class Record:
         return logged
 
     def _next_key(self) -> Tuple[int, int]:
-        iteration = self.state.driver.driver.committed
+        iteration = self.run.driver.committed
         self._key = (iteration, self._key[1] + 1 if self._key[0] == iteration else 0)
         return self._key
 
@@ -184,7 +184,7 @@ class Record:
     def _add(self, key, text: str, calls: list) -> None:
         if text or calls:
             self.pending.append((key, text, calls))
-        lead = self.state.lead()
+        lead = self.run.lead()
         if lead:
             if not self._was_lead:  # the lead changed: emit what the old one had not
                 self._emit(after=self._mark())
@@ -192,19 +192,12 @@ class Record:
                 self._emit(after=(key[0], key[1] - 1))
         self._was_lead = lead
 
-    def _mark_key(self) -> str:
-        """The store key of the last entry emitted at this rank's (tp, pp) position: each position
-        of a replica prints its own lines (a pipeline's last stage the losses, its first stage the
-        memory report), so each keeps its own mark."""
-        rt = self.state.driver.runtime
-        tp, pp = rt.grid.position(rt.rank)
-        return f"{_MARK}/t{tp}p{pp}"
-
     def _mark(self) -> Tuple[int, int]:
-        store, key = self.state.driver.runtime.store, self._mark_key()
-        if not store.check([key]):
-            return (-1, -1)
-        return tuple(json.loads(store.get(key)))
+        """The last entry emitted at this rank's (tp, pp) position: each position of a replica prints
+        its own lines (a pipeline's last stage the losses, its first stage the memory report), so
+        each keeps its own mark."""
+        mark = self.run.driver.runtime.read_mark(_MARK)
+        return tuple(json.loads(mark)) if mark is not None else (-1, -1)
 
     def _emit(self, after: Tuple[int, int]) -> None:
         last = None
@@ -220,24 +213,31 @@ class Record:
             last = key
         if last is not None:
             sys.stdout.flush()
-            self.state.driver.runtime.store.set(self._mark_key(), json.dumps(list(last)))
+            self.run.driver.runtime.write_mark(_MARK, json.dumps(list(last)))
 
     def finish(self, timeout_s: float) -> None:
         """At the end of training: if the lead died with entries this replica holds unprinted, the
         lowest replica still alive emits them. Waits at most `timeout_s` for the lead to print."""
-        if not self.pending or self.state.driver is None:
+        if not self.pending or self.run.driver is None:
             return
-        rt = self.state.driver.runtime
-        mine = rt.grid.replica_of(rt.rank)
         deadline = time.monotonic() + timeout_s
         while True:
             if self._mark() >= self.pending[-1][0]:
                 return  # the lead printed everything
-            live = [r for r in sorted(rt.cover_map().live)
-                    if set(rt.grid.ranks_of_replica(r)) <= set(rt.membership.alive(rt.grid.ranks_of_replica(r)))]
-            if live and live[0] == mine:
+            if self.run.driver.runtime.leads_among_whole():
                 self._emit(after=self._mark())
                 return
             if time.monotonic() > deadline:
                 return
             time.sleep(0.2)
+
+
+def tensorboard_writer(args):
+    """A TensorBoard writer as upstream makes one (None without --tensorboard-dir): upstream makes it
+    on the job's last rank only; the record makes one on each replica's logging rank so that
+    TensorBoard moves with the lead."""
+    if not getattr(args, "tensorboard_dir", None):
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=args.tensorboard_dir, max_queue=getattr(args, "tensorboard_queue_size", 1000))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_mecefo.elastic.plan.topology import CoverMap, Grid
+from megatron_mecefo.elastic.runtime import ElasticRuntime
 from megatron_mecefo.integrations.record import Record
 
 pytestmark = pytest.mark.unit
@@ -39,8 +40,10 @@ def make(replica, lead, alive=(0, 1, 2), grid=None, store=None, rank=None):
     rt = types.SimpleNamespace(store=store, rank=replica if rank is None else rank, grid=grid,
                                cover_map=lambda: CoverMap(grid=grid, live=(0, 1, 2), cover={}),
                                membership=types.SimpleNamespace(alive=lambda ranks: [r for r in ranks if r in alive]))
-    driver = types.SimpleNamespace(runtime=rt, driver=types.SimpleNamespace(committed=0))
-    state = types.SimpleNamespace(active=True, driver=driver, lead=lambda: lead[0])
+    for name in ("leads_among_whole", "read_mark", "write_mark", "_mark_key"):  # the runtime's own answers
+        setattr(rt, name, types.MethodType(getattr(ElasticRuntime, name), rt))
+    driver = types.SimpleNamespace(runtime=rt, committed=0)
+    run = types.SimpleNamespace(active=True, driver=driver, lead=lambda: lead[0])
     training = types.SimpleNamespace(get_tensorboard_writer=lambda: None, get_wandb_writer=lambda: None)
 
     def training_log(iteration):  # upstream's: prints and writes through the module's getter
@@ -49,8 +52,8 @@ def make(replica, lead, alive=(0, 1, 2), grid=None, store=None, rank=None):
         if w is not None:
             w.add_scalar("lm loss", 1.0 / iteration, iteration)
 
-    record = Record(state, training, make_tb_writer=lambda: writer)
-    return record, record.wrap(training_log), driver.driver, store, writer
+    record = Record(run, training, make_tb_writer=lambda: writer)
+    return record, record.wrap(training_log), driver, store, writer
 
 
 def test_a_new_lead_prints_what_the_old_one_had_not(capsys):

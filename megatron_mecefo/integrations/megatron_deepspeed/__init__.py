@@ -16,36 +16,29 @@ start it with `mecefo-launch` (or `deepspeed`), e.g.
 
 Scope: tensor parallelism >= 1; pipelines in DeepSpeed's pipeline engine (without
 `--no-pipeline-parallel`; no virtual stages); ds_config ZeRO stage 0 or 1 (MeCeFO's sharding over the
-replicas); fp32 or bf16; dense layers. What is refused, and why, is in training.check_args.
+replicas); fp32 or bf16; dense layers. What is refused, and why, is in args.check_args;
+every upstream global it replaces is in patches.py.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
-from megatron_mecefo.integrations.common import add_args, install_hooks, wrap_pretrain
+from megatron_mecefo.integrations.run import add_args, host_pretrain
 
 __all__ = ["install", "add_args"]
 
 
-def _helpers_dir() -> str:
-    import megatron.data as data
-
-    return os.path.dirname(data.__file__)
-
-
 def install(pretrain: Callable) -> Callable:
-    """Put MeCeFO's hooks into Megatron-DeepSpeed's `megatron.initialize` and `megatron.training`
-    and return `pretrain` wrapped: the `--mecefo*` flags are added to the user's
-    `extra_args_provider`, and a job MeCeFO cannot continue ends with the launcher's exit codes
-    (3: gave up, with a checkpoint when `--save` is set; 4: this rank left the job and is restarted;
-    2: bad input, before training)."""
-    import megatron.initialize as initialize
-    import megatron.training as training
+    """`pretrain` with MeCeFO: each call puts MeCeFO's hooks into Megatron-DeepSpeed's
+    `megatron.initialize` and `megatron.training` for that run (patches.py) and takes them out when
+    it returns; the `--mecefo*` flags are added to the user's `extra_args_provider`, and a job
+    MeCeFO cannot continue ends with the launcher's exit codes (3: gave up, with a checkpoint when
+    `--save` is set; 4: this rank left the job and is restarted; 2: bad input, before training)."""
 
-    from megatron_mecefo.integrations.megatron_deepspeed import training as hooks
+    def table(run):
+        from megatron_mecefo.integrations.megatron_deepspeed.patches import table
 
-    install_hooks(initialize, training, hooks, helpers_dir=_helpers_dir, wrap_evaluate=lambda evaluate: hooks.wrap_evaluate(evaluate, training),
-                  get_args=training.get_args)
-    return wrap_pretrain(pretrain, hooks.STATE)
+        return table(run)
+
+    return host_pretrain(pretrain, table)

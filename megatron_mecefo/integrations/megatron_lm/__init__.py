@@ -18,35 +18,29 @@ Layers: MeCeFO's Megatron-Core spec (`megatron_mecefo.layers.specs mecefo_gpt_la
 unless `--spec` names it already. Scope: tensor and pipeline parallelism (1F1B, virtual stages),
 Megatron's DDP with or without `--overlap-grad-reduce` (the cross-replica reduction then runs in
 upstream's buckets), `--use-distributed-optimizer` (MeCeFO shards the optimizer state over the
-replicas), fp32 or bf16, dense layers. What is refused, and why, is in training.check_args.
+replicas), fp32 or bf16, dense layers. What is refused, and why, is in args.check_args;
+every upstream global it replaces is in patches.py.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
-from megatron_mecefo.integrations.common import add_args, install_hooks, wrap_pretrain
+from megatron_mecefo.integrations.run import add_args, host_pretrain
 
 __all__ = ["install", "add_args"]
 
 
-def _helpers_dir() -> str:
-    import megatron.core.datasets as datasets
-
-    return os.path.dirname(datasets.__file__)
-
-
 def install(pretrain: Callable) -> Callable:
-    """Put MeCeFO's hooks into Megatron-LM's `megatron.training` and return `pretrain` wrapped:
-    the `--mecefo*` flags are added to the user's `extra_args_provider`, and a job MeCeFO cannot
+    """`pretrain` with MeCeFO: each call puts MeCeFO's hooks into Megatron-LM's
+    `megatron.training` modules for that run (patches.py) and takes them out when it returns; the
+    `--mecefo*` flags are added to the user's `extra_args_provider`, and a job MeCeFO cannot
     continue ends with the launcher's exit codes (3: gave up, with a checkpoint when `--save` is
     set; 4: this rank left the job and is restarted; 2: bad input, before training)."""
-    import megatron.training.initialize as initialize
-    import megatron.training.training as training
 
-    from megatron_mecefo.integrations.megatron_lm import training as hooks
+    def table(run):
+        from megatron_mecefo.integrations.megatron_lm.patches import table
 
-    install_hooks(initialize, training, hooks, helpers_dir=_helpers_dir, wrap_evaluate=hooks.wrap_evaluate,
-                  get_args=training.get_args)
-    return wrap_pretrain(pretrain, hooks.STATE)
+        return table(run)
+
+    return host_pretrain(pretrain, table)

@@ -26,9 +26,10 @@ import glob
 import os
 from typing import Callable, Optional
 
-from megatron_mecefo.integrations.common import UsageError
+from megatron_mecefo.integrations.usage import UsageError
 
-__all__ = ["check_loaded_optimizer", "loaded_optimizer_state", "wrap_load_checkpoint", "shard_saver", "gathered"]
+__all__ = ["check_loaded_optimizer", "loaded_optimizer_state", "wrap_load_checkpoint", "shard_saver",
+           "as_upstream_optimizer"]
 
 
 def _loaded_checkpoint(args) -> Optional[str]:
@@ -110,14 +111,14 @@ def loaded_optimizer_state(args, model, shards):
                                 pp_rank=mpu.get_pipeline_model_parallel_rank())
 
 
-def wrap_load_checkpoint(original: Callable, state) -> Callable:
+def wrap_load_checkpoint(original: Callable, run) -> Callable:
     """`megatron.training.training.load_checkpoint` in a sharded job: upstream's optimizer must not
     load a state the sharded state reads itself (see the module docstring)."""
 
     def load_checkpoint(model, optimizer, *a, **kw):
         from megatron.training import get_args
 
-        if not state.active:
+        if not run.active:
             return original(model, optimizer, *a, **kw)
         args = get_args()
         kind = _kind(_loaded_checkpoint(args)) if optimizer is not None else None
@@ -152,32 +153,25 @@ def _checkpointing_error(e: BaseException) -> bool:
     return isinstance(e, (CheckpointException, CheckpointingException))
 
 
-def shard_saver(args, model, optimizer, shards, directory_of: Callable, state, log) -> Callable:
-    """`State.save_shards` of a sharded job: (iteration) -> this rank writes its shard under
-    `directory_of(iteration)`; on the lead replica returns the context upstream's save runs in to
-    write the gathered state in its format (None: the shard files stay, see the module docstring)."""
+def shard_saver(args, model, optimizer, shards, directory_of: Callable, run) -> Callable:
+    """`Run.save_shards` of a sharded job: (iteration) -> this rank writes its shard under
+    `directory_of(iteration)` (StepDriver.save_shards); on the lead replica returns the context
+    upstream's save runs in to write the gathered state in its format (None: the shard files stay,
+    see the module docstring)."""
 
     def save(iteration=None):
-        rt = state.driver.runtime
-        directory = directory_of(iteration)
-        stamp = f"{rt.job_id}:{rt.generation}:{iteration}"
-        shards.save(directory, copies=False, stamp=stamp)
-        if not rt.leads():
-            return None
-        return gathered(args, model, optimizer, shards, directory, stamp=stamp, timeout_s=rt.cfg.collective_timeout_s,
-                        log=log)
+        got = run.driver.save_shards(directory_of(iteration), args.iteration if iteration is None else iteration,
+                                     collect=args.ckpt_format == "torch_dist")
+        return as_upstream_optimizer(args, model, optimizer, shards, got)
 
     return save
 
 
-def gathered(args, model, optimizer, shards, directory: str, *, stamp: str, timeout_s: float, log):
-    """Once the shard files of the save `stamp` cover the state: the context in which upstream's
-    save writes it as its DistributedOptimizer's (then the files go). None when they do not within
-    timeout_s (a warning; they stay), or the format is not torch_dist."""
-    if args.ckpt_format != "torch_dist":
-        return None
-    got = shards.collect(directory, stamp, timeout_s, log)
-    if got is None:
+def as_upstream_optimizer(args, model, optimizer, shards, got):
+    """The context in which upstream's save writes the whole state collected from the shard files
+    (`got`: StepDriver.save_shards, give_up.collect_given_up) as its DistributedOptimizer's (then
+    the files go). None when nothing was collected, or the format is not torch_dist."""
+    if got is None or args.ckpt_format != "torch_dist":
         return None
     from megatron_mecefo.elastic.sharding.zero import innermost_optimizer
     from megatron_mecefo.integrations.megatron_lm.dist_checkpoint import fully_reshardable_state_dict

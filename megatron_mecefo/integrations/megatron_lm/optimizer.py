@@ -5,12 +5,15 @@ instances only; upstream's classes stay as they are."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import torch
 
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.elastic.sharding.zero import ShardedOptimizer
 
-__all__ = ["sharded_state", "bf16_parameters"]
+__all__ = ["sharded_state", "bf16_parameters", "no_fp32_copies"]
 
 
 def sharded_state(optimizer, cfg: MeCeFOConfig, job: LaunchEnv, tensor_parallel: int,
@@ -65,7 +68,6 @@ def bf16_parameters(megatron_opt, shards: ShardedOptimizer) -> None:
     coefficient, computed as upstream's `clip_grad_by_total_norm_fp32` does, scales `main_grad`
     before the sharded update reads it (upstream's own clip, which reads `.grad`, is given
     clip_grad 0 so it does not run on the empty `.grad`s)."""
-    import copy
 
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
@@ -109,3 +111,28 @@ def bf16_parameters(megatron_opt, shards: ShardedOptimizer) -> None:
     megatron_opt.get_main_grads_for_grad_norm = get_main_grads_for_grad_norm
     megatron_opt.get_grad_norm = get_grad_norm_kept
     megatron_opt.step_with_ready_grads = clip_then_step
+
+
+@contextlib.contextmanager
+def no_fp32_copies(active: bool):
+    """`--bf16` with the sharded state: upstream builds its FP32Optimizer over the bf16 parameters
+    (as its layer-wise optimizer does, optimizer/muon.py) instead of a mixed-precision wrapper with
+    fp32 copies of every parameter on every rank; the sharded state keeps the fp32 masters of its
+    held ranges only (elastic/sharding/zero.py; optimizer.py's `bf16_parameters`)."""
+    import megatron.training.training as training
+
+    build = training.get_megatron_optimizer
+    if not active:
+        yield
+        return
+
+    def get_megatron_optimizer(config, *a, **kw):
+        config = copy.copy(config)
+        config.bf16 = False
+        return build(config, *a, **kw)
+
+    training.get_megatron_optimizer = get_megatron_optimizer
+    try:
+        yield
+    finally:
+        training.get_megatron_optimizer = build

@@ -1,4 +1,5 @@
-"""One Megatron-LM training step under MeCeFO: upstream's own `train_step` with three things swapped.
+"""Megatron-LM as the host of MeCeFO's step driver: upstream's own `train_step`, with three things
+swapped.
 
 * the data: an iterator over this rank's plan (own micro-batches, then adopted ones), wrapped in
   Megatron's `RerunDataIterator` so its rerun state machine can still replay a step;
@@ -25,10 +26,10 @@ from megatron_mecefo.elastic.runtime import StepPlan
 from megatron_mecefo.elastic.sharding.zero import ShardedOptimizer
 from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver
 
-__all__ = ["Step"]
+__all__ = ["MegatronLMHost"]
 
 
-class Step(DrivenHost):
+class MegatronLMHost(DrivenHost):
     """Megatron-LM's DDP model chunks, optimizer and scheduler as the host of MeCeFO's step driver."""
 
     def __init__(self, driver: StepDriver, model, overlap: bool = False) -> None:
@@ -175,7 +176,7 @@ class _Overlap:
 class _Gate:
     """Megatron's optimizer as upstream's `train_step` sees it: `step()` runs only on a committed step."""
 
-    def __init__(self, optimizer, owner: Step) -> None:
+    def __init__(self, optimizer, owner: MegatronLMHost) -> None:
         self._optimizer, self._owner = optimizer, owner
 
     def step(self):
