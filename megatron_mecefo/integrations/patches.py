@@ -14,7 +14,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable, Iterator, List, Sequence
 
-__all__ = ["Patch", "patched", "markdown"]
+__all__ = ["Patch", "patched", "markdown", "loop_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,3 +56,30 @@ def markdown(table: Sequence[Patch]) -> str:
     rows = ["| replaced | why | undone |", "|---|---|---|"]
     rows += [f"| `{p.module}.{p.name}` | {p.why} | {undone[p.scope]} |" for p in table]
     return "\n".join(rows)
+
+
+def loop_rows(run, hooks, *, initialize: str, training: str, helpers_dir: Callable[[], str], record) -> List[Patch]:
+    """The rows both Megatron codebases share: their `pretrain()` calls these globals of its
+    `initialize` and `training` modules by the same names. `hooks`: the host's training.py."""
+    from megatron_mecefo.integrations.data import one_replica_at_a_time
+    from megatron_mecefo.integrations.saves import lead_only_save
+
+    return [
+        Patch(initialize, "_initialize_distributed", "torch.distributed over the rank's replica on the job's store "
+              "first; upstream's groups then span the replica", lambda f: hooks.wrap_initialize_distributed(f, run)),
+        Patch(initialize, "_compile_dependencies", "every replica's rank 0 is a rank 0: they compile the dataset "
+              "helpers in turn", lambda f: one_replica_at_a_time(f, lambda: run.active, helpers_dir)),
+        Patch(training, "setup_model_and_optimizer", "after upstream's model, optimizer and --load, the rank joins "
+              "the job (a restarted rank receives the live state)", lambda f: hooks.wrap_setup_model_and_optimizer(f, run)),
+        Patch(training, "build_train_valid_test_datasets", "keeps the training set: a covering rank draws a failed "
+              "replica's micro-batches", lambda f: hooks.wrap_datasets(f, run)),
+        Patch(training, "train_step", "the plan's micro-batches, the reduction and commit before the optimizer "
+              "step, a failed step redone", lambda f: hooks.wrap_train_step(f, run)),
+        Patch(training, "save_checkpoint", "one replica writes upstream's files, every rank its optimizer shards",
+              lambda f: lead_only_save(f, run)),
+        Patch(training, "training_log", "printed once, by whichever replica leads (record.py)",
+              lambda f: record.wrap(f, carries=True)),
+        Patch(training, "evaluate_and_print_results", "printed once, by whichever replica leads (record.py)",
+              record.wrap),
+        Patch(training, "get_tensorboard_writer", "a recorder while a log call runs (record.py)", scope="call"),
+    ]

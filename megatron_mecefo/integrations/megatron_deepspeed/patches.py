@@ -8,16 +8,14 @@ from __future__ import annotations
 import os
 from typing import List
 
-from megatron_mecefo.integrations.data import one_replica_at_a_time
 from megatron_mecefo.integrations.megatron_deepspeed import training as hooks
-from megatron_mecefo.integrations.patches import Patch
+from megatron_mecefo.integrations.patches import Patch, loop_rows
 from megatron_mecefo.integrations.record import Record, tensorboard_writer
 from megatron_mecefo.integrations.run import Run
-from megatron_mecefo.integrations.saves import lead_only_save
 
 __all__ = ["table"]
 
-_INIT, _TRAIN = "megatron.initialize", "megatron.training"
+_TRAIN = "megatron.training"
 
 
 def _helpers_dir() -> str:
@@ -45,25 +43,10 @@ def table(run: Run) -> List[Patch]:
     import megatron.training as training
 
     record = run.record = Record(run, training, make_tb_writer=lambda: tensorboard_writer(training.get_args()))
-    return [
-        Patch(_INIT, "_initialize_distributed", "torch.distributed over the rank's replica on the job's store first; "
-              "upstream's groups then span the replica", lambda f: hooks.wrap_initialize_distributed(f, run)),
-        Patch(_INIT, "_compile_dependencies", "every replica's rank 0 is a rank 0: they compile the dataset helpers "
-              "in turn", lambda f: one_replica_at_a_time(f, lambda: run.active, _helpers_dir)),
-        Patch(_TRAIN, "setup_model_and_optimizer", "the covering layers; the replica's ds_config; after upstream's "
-              "engine and --load, the rank joins the job", lambda f: hooks.wrap_setup_model_and_optimizer(f, run)),
-        Patch(_TRAIN, "build_train_valid_test_datasets", "keeps the training set: a covering rank draws a failed "
-              "replica's micro-batches", lambda f: hooks.wrap_datasets(f, run)),
-        Patch(_TRAIN, "train_step", "the plan's micro-batches through the engine, reduce, commit, a failed step "
-              "redone", lambda f: hooks.wrap_train_step(f, run)),
+    return loop_rows(run, hooks, initialize="megatron.initialize", training=_TRAIN, helpers_dir=_helpers_dir,
+                     record=record) + [
         Patch(_TRAIN, "evaluate", "every replica evaluates the whole global eval batch (no cross-replica "
               "collective)", lambda f: hooks.wrap_evaluate(f, run, training)),
-        Patch(_TRAIN, "save_checkpoint", "one replica writes upstream's files, every rank its optimizer shards",
-              lambda f: lead_only_save(f, run)),
-        Patch(_TRAIN, "training_log", "printed once, by whichever replica leads (record.py)",
-              lambda f: record.wrap(f, carries=True)),
-        Patch(_TRAIN, "evaluate_and_print_results", "printed once, by whichever replica leads (record.py)",
-              record.wrap),
         # the pipeline engine's send/recv on the default group: a gloo receive waits out the timeout
         # the group was created with (start-up's, long); its other path broadcasts over a group per
         # pair of adjacent stages, which take the collective timeout once the rank trains
@@ -75,7 +58,6 @@ def table(run: Run) -> List[Patch]:
               "gloo groups never use", lambda ops: _CompatibleOps(ops, run)),
         Patch(_TRAIN, "get_num_microbatches", "the global eval batch per eval iteration (inside evaluate)",
               scope="call"),
-        Patch(_TRAIN, "get_tensorboard_writer", "a recorder while a log call runs (record.py)", scope="call"),
         Patch("deepspeed.runtime.engine", "DeepSpeedEngine.load_checkpoint", "a ZeRO checkpoint's optimizer is "
               "read by MeCeFO's shards (inside setup_model_and_optimizer)", scope="call"),
     ]
