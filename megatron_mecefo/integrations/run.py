@@ -9,9 +9,9 @@ import functools
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_mecefo.integrations.patches import Patch, patched
-from megatron_mecefo.integrations.usage import UsageError
+from megatron_mecefo.integrations.usage import UsageError, usage_errors
 
-__all__ = ["Run", "init_replica_then_upstream", "add_args", "host_pretrain"]
+__all__ = ["Run", "checked_config", "init_replica_then_upstream", "add_args", "host_pretrain"]
 
 
 @dataclasses.dataclass
@@ -54,6 +54,19 @@ class Run:
             if finished and self.record is not None:  # a lead that died at the end: print what it had not
                 self.record.finish(timeout_s=self.cfg.heartbeat_timeout_s + 1.0)
             self.driver.runtime.close(finished=finished)
+
+
+def checked_config(read: Callable[[], Any], check: Callable[[Any, Any], None]):
+    """The run's MeCeFOConfig (`read()`) with what the host refuses checked against it and the job
+    (`check(cfg, job)`), before anything starts (bad input: UsageError); None without --mecefo."""
+    from megatron_mecefo.config import LaunchEnv
+
+    with usage_errors():
+        cfg = read()
+        if not cfg.enable:
+            return None
+        check(cfg, LaunchEnv.read())
+    return cfg
 
 
 def init_replica_then_upstream(run: Run, cfg, original: Callable, a, kw, *, args, backend: str,

@@ -35,11 +35,11 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
+from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic.comm.groups import default_backend
 from megatron_mecefo.integrations.data import data_prefixes, keep_training_set, step_draw
 from megatron_mecefo.integrations.megatron_deepspeed.args import check_args, read_ds_config
-from megatron_mecefo.integrations.run import Run, init_replica_then_upstream
+from megatron_mecefo.integrations.run import Run, checked_config, init_replica_then_upstream
 from megatron_mecefo.integrations.saves import arg_counters
 from megatron_mecefo.integrations.usage import UsageError, usage_errors
 
@@ -59,11 +59,10 @@ def wrap_initialize_distributed(original: Callable, run: Run) -> Callable:
         args = get_args()
         with usage_errors():
             ds_config = read_ds_config(args)
-            cfg = MeCeFOConfig.from_args(args, ds_config.get("mecefo"))
-            if not cfg.enable:
-                return original(*a, **kw)
-            job = LaunchEnv.read()
-            check_args(args, ds_config, cfg, job)
+        cfg = checked_config(lambda: MeCeFOConfig.from_args(args, ds_config.get("mecefo")),
+                             lambda cfg, job: check_args(args, ds_config, cfg, job))
+        if cfg is None:
+            return original(*a, **kw)
         return init_replica_then_upstream(run, cfg, original, a, kw, args=args, backend=default_backend())
 
     return _initialize_distributed

@@ -40,11 +40,11 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
+from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.integrations.data import data_prefixes, keep_training_set, step_draw
 from megatron_mecefo.integrations.megatron_lm import checkpoint
 from megatron_mecefo.integrations.megatron_lm.args import SPEC, check_args
-from megatron_mecefo.integrations.run import Run, init_replica_then_upstream
+from megatron_mecefo.integrations.run import Run, checked_config, init_replica_then_upstream
 from megatron_mecefo.integrations.saves import arg_counters
 from megatron_mecefo.integrations.usage import UsageError, usage_errors
 
@@ -61,12 +61,9 @@ def wrap_initialize_distributed(original: Callable, run: Run) -> Callable:
         from megatron.training import get_args
 
         args = get_args()
-        with usage_errors():
-            cfg = MeCeFOConfig.from_args(args)
-            if not cfg.enable:
-                return original(*a, **kw)
-            job = LaunchEnv.read()
-            check_args(args, cfg, job)
+        cfg = checked_config(lambda: MeCeFOConfig.from_args(args), lambda cfg, job: check_args(args, cfg, job))
+        if cfg is None:
+            return original(*a, **kw)
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             torch.cuda.set_device(args.local_rank)  # upstream sets it only when it initialises itself
         # the replica's tensor-parallel groups carry training collectives: a hung mate is noticed
@@ -94,8 +91,8 @@ def wrap_setup_model_and_optimizer(original: Callable, run: Run) -> Callable:
         from megatron_mecefo.elastic.give_up import collect_given_up
         from megatron_mecefo.elastic.runtime import StateHooks
         from megatron_mecefo.elastic.step import training_state
-        from megatron_mecefo.integrations.megatron_lm.optimizer import no_fp32_copies, sharded_state
         from megatron_mecefo.integrations.megatron_lm.host import MegatronLMHost
+        from megatron_mecefo.integrations.megatron_lm.optimizer import no_fp32_copies, sharded_state
         from megatron_mecefo.layers.linear import check_lowrank_rank
 
         args, cfg = get_args(), run.cfg
