@@ -18,7 +18,7 @@ reduces SUMMED gradients; MeCeFO's divisors are applied once, here):
 
 A host whose schedule averaged each micro-batch's gradient (Megatron's schedules divide by the
 number of micro-batches) says so (`averaged_over`); the sums are restored here, before anything is
-reduced. A failed collective is latched by the runtime (`report_error`): later ones of the step are
+reduced. A failed collective is latched (latch.py, `report_error`): later ones of the step are
 skipped, and the step fails at the commit like any failed reduction. Knows tensors, hooks and the
 runtime's group, not layers or the protocol around it.
 """
@@ -179,15 +179,16 @@ class Reduction:
     """The cross-replica reduction of one rank's steps (see the module docstring).
 
     Args:
-        runtime: the ElasticRuntime: its generation's group, its error latch (`report_error`,
-            `failed`), the abort poll (`step_aborted`), the injection point "allreduce", the fold's
-            divisors, and the statistics the commit checks (`step_statistics` / `take_statistics`).
+        latch: the runtime's step in progress (latch.StepLatch): its generation's group, its error
+            latch (`report_error`, `failed`), the abort poll (`step_aborted`), the injection point
+            "allreduce", the fold's divisors, and the statistics the commit checks
+            (`step_statistics` / `take_statistics`).
         sharding: the sharded optimizer state (zero.ShardedOptimizer) whose ranges are
             reduce-scattered; None: replicated, all-reduced.
     """
 
-    def __init__(self, runtime, sharding=None) -> None:
-        self.runtime = runtime
+    def __init__(self, latch, sharding=None) -> None:
+        self.latch = latch
         self.sharding = sharding
         self.overlap: Optional[InOrderBuckets] = None
         """The buckets reduced during the backward (at most one set per host), or None."""
@@ -239,7 +240,7 @@ class Reduction:
 
     def _reduce(self, params: List[torch.nn.Parameter], stats: Sequence[float], micro_batches: Optional[int],
                 attr: str, averaged_over: int, overlapped: bool) -> List[float]:
-        rt = self.runtime
+        rt = self.latch
         if rt.failed:
             return [0.0] * len(stats)
         if not overlapped:
@@ -279,7 +280,7 @@ class Reduction:
 
     def _launch(self, tensor: torch.Tensor):
         """Launch the SUM all-reduce of a bucket; its work, or None once the step has failed."""
-        rt = self.runtime
+        rt = self.latch
         if rt.failed:
             return None
         rt.fire("allreduce")
@@ -291,7 +292,7 @@ class Reduction:
 
     def _wait(self, works: Sequence[Any]) -> bool:
         """Wait for launched buckets (abandoned as soon as a peer declared the step failed)."""
-        rt = self.runtime
+        rt = self.latch
         for work in works:
             if rt.failed:
                 return False

@@ -1,25 +1,27 @@
-"""ElasticRuntime: the narrow protocol a training loop (or the DeepSpeed hook) drives each step.
+"""ElasticRuntime: one rank's step protocol (begin, plan, commit, recover), driven by the step
+driver (step.py), never by a host directly. One step, as StepDriver runs it:
 
-    rt = ElasticRuntime(cfg, LaunchEnv.read(), micro_batches=k, state=StateHooks(get, set))
-    step = rt.start()                        # first incarnation: 0; a restarted rank: where peers are
-    while step < train_iters:
-        rt.begin_step(step)
-        plan = rt.plan()                     # my micro-batches (+ adopted ones), covering flags
-        for mb in plan.micro_batches: forward/backward (covering mode where mb.covering)
-        stats = reduction.reduce(params, stats=[loss_sum, n_samples])   # reduction.Reduction(rt)
-        if rt.commit():                      # the single agreement point of the step
-            optimizer.step(); step += 1
-        # else: a peer failed; the survivors regrouped; redo the same step (gradients are zeroed)
+    rt.begin_step(step)          # a step boundary: admit the joiners a commit named (a new generation)
+    plan = rt.plan()             # this rank's micro-batches (own, then adopted), covering flags, divisors
+    ...the host's forward/backward of plan.micro_batches...
+    Reduction(rt.latch).reduce(...)   # gradients across replicas; a failure is latched (latch.py)
+    if rt.commit(**record):      # the one agreement point of the step
+        host's optimizer step; rt.after_optimizer_step()
+    else:                        # a peer failed: the survivors regrouped inside commit(); redo `step`
 
-Inside a step errors are latched (`report_error`), later collectives become no-ops, and `commit()`
-decides for everybody: the step commits where its confirmation all-reduce completed (with a sharded
-optimizer state: where the members' vote in the store says so), a member whose confirmation failed
-after the others' completed commits it late at the agreement, so every member takes the optimizer
-step or none does and replicas stay bit-identical. A failed step is redone whole by the new
-generation. Restarted ranks are admitted at
-step boundaries and receive the training state from a member (`state=`).
+What the host does with a step that did not commit is the adapter's half: the own loop and
+Megatron-DeepSpeed redo it inside `StepDriver.run` before `train_step` returns; Megatron-LM's
+optimizer gate returns upstream's skipped update (no scheduler step) and the host's `run` redoes it.
 
-Tensor and pipeline parallelism: a replica is the T*P ranks of one data-parallel index (topology.py).
+Inside a step the first error is latched and later collectives become no-ops; `commit()` decides
+for everybody: the step commits where its confirmation all-reduce completed (with a sharded
+optimizer state: where the members' vote in the store says so), and a member whose confirmation
+failed after the others' completed commits it late at the agreement, so every member takes the
+optimizer step or none does and replicas stay bit-identical. A failed step is redone whole by the
+new generation (`_recover`: agreement and formation, formation.py). Restarted ranks are admitted
+at step boundaries and receive the training state from a member (`StateHooks`).
+
+Tensor and pipeline parallelism: a replica is the T*P ranks of one data-parallel index (plan/topology.py).
 Generations and admissions take whole replicas; there is one data-parallel group per (tp, pp)
 position, over that position's ranks of the live replicas, and a joiner receives the state of its
 own position. A rank whose replica lost a rank leaves the job (NotAMember); the launcher restarts it
@@ -48,10 +50,10 @@ from megatron_mecefo.elastic.faults import holds
 from megatron_mecefo.elastic.faults.inject import FaultInjector
 from megatron_mecefo.elastic.formation import Formation
 from megatron_mecefo.elastic.give_up import GiveUpCheckpoint
+from megatron_mecefo.elastic.latch import StepLatch
 from megatron_mecefo.elastic.membership import Membership, keys
 from megatron_mecefo.elastic.plan.costs import CostMeter
 from megatron_mecefo.elastic.plan.cover_plan import CoverPlan
-from megatron_mecefo.elastic.plan.fold import Fold
 from megatron_mecefo.elastic.plan.topology import CoverMap, Grid
 from megatron_mecefo.errors import (RETIRED_EXIT_CODE, GaveUp, IncompleteStep, JobAborted, MeCeFOError, NotAMember,
                                     ReplicaLost, StoreLost, exit_now)
@@ -168,13 +170,6 @@ class ElasticRuntime:
         self.group = None
         self.step = 0
         self._t_start = time.monotonic()
-        self._ran: Optional[int] = None  # micro-batches the members reported running this step
-        self._counted = False  # this step's statistics carry the micro-batch count
-        self._error: Optional[BaseException] = None
-        self._error_time: Optional[float] = None
-        self._error_wall: Optional[float] = None  # wall clock of the first error, for the event log
-        self._store_error: Optional[float] = None  # when a store call of this rank's failed (time.time())
-        self._store_addr = f"{job.master_addr}:{job.master_port}"
         self._detected_wall: Optional[float] = None
         self._pending: Optional[tuple] = None  # (generation, candidates) to regroup into
         self._cover: Optional[CoverMap] = None
@@ -190,10 +185,16 @@ class ElasticRuntime:
         self.rejoined = False
         """True when this rank came in after generation 0 and received the live state from a peer."""
         self.log = RankPrefix(logger, lambda: {"generation": self.generation, "rank": self.rank, "step": self.step})
+        self.store_health = job_store.StoreHealth(f"{job.master_addr}:{job.master_port}",
+                                                  lambda: self.membership.heartbeat.lost_since, self.log)
         log_dir = config.log_dir
         self.events = EventLog(os.path.join(log_dir, f"events_rank{rank}.jsonl") if log_dir else None, rank=rank)
         self.steps_log = EventLog(os.path.join(log_dir, f"steps_rank{rank}.jsonl") if log_dir else None, rank=rank)
         self.injector.events = self.events
+        self.latch = StepLatch(group=lambda: self.group, fold=lambda: self._plan.fold, fire=self.fire,
+                               aborted=self.step_aborted, issued=self._micro_batches_run, costs=self._costs,
+                               log=self.log)
+        """The step in progress, as the step's reduction sees it (latch.py)."""
         self._formation = Formation(config, self.grid, rank, self.store, self.membership, injector, self.events,
                                     self.log, micro_batches=micro_batches, sharding=sharding, get_state=state.get,
                                     backend=backend, costs=self._costs)
@@ -272,9 +273,7 @@ class ElasticRuntime:
             self._guarded(self._regroup, generation, candidates)
         holds.wait_for_holds(self.injector.holds(self.step), self.step, self.store, self.membership,
                              self.cfg.join_timeout_s, self.events, self.log)
-        self._error = None
-        self._error_time = self._error_wall = None
-        self._ran = None
+        self.latch.reset()
         self._issued = ()
         self._t_step, self._calls = time.monotonic(), self.store.calls
         self.membership.watch_step(self.generation, self.step)
@@ -339,43 +338,9 @@ class ElasticRuntime:
             raise ReplicaLost(f"[rank {self.rank} step {step}] a collective of this rank's replica failed ({first}): "
                               "the replica leaves the job and rejoins when its ranks are restarted") from e
 
-    def report_error(self, error: BaseException) -> None:
-        """Latch a failure seen during the step; later collectives of the step are skipped."""
-        if self._error is None:
-            # without its traceback: the frames hold the broken group, whose communicator must be
-            # freed at the regroup (groups.alive)
-            self._error, self._error_time, self._error_wall = error.with_traceback(None), time.monotonic(), time.time()
-            self.log.warning("peer failure detected: %s", str(error).splitlines()[0][:200])
-
-    # -- what the step's reduction (reduction.py) uses -------------------------------------------
-
-    @property
-    def failed(self) -> bool:
-        """A failure was latched in this step: its remaining collectives are skipped."""
-        return self._error is not None
-
-    @property
-    def fold(self) -> Fold:
-        """The current generation's fold (its divisors)."""
-        return self._plan.fold
-
     def fire(self, phase: str) -> None:
         """An injection point of the current step."""
         self.injector.maybe_fire(self.step, phase)
-
-    def step_statistics(self, micro_batches: Optional[int]) -> List[float]:
-        """What the runtime needs summed with the step's statistics: the micro-batches this rank
-        ran (the commit checks the whole global batch ran). The step's compute time ends here."""
-        self._costs.end(self._micro_batches_run())
-        self._counted = micro_batches is not None
-        return [float(micro_batches)] if micro_batches is not None else []
-
-    def take_statistics(self, summed: List[float]) -> List[float]:
-        """The summed `step_statistics` taken off the end of `summed`; returns the rest."""
-        summed = list(summed)
-        if self._counted:
-            self._ran = int(round(summed.pop()))
-        return summed
 
     def _admission(self) -> bool:
         """On the lowest member (one store call: the join count; more only when it moved): the
@@ -387,7 +352,7 @@ class ElasticRuntime:
             if joiners:
                 self.store.set(keys.admit(self.generation, self.step), ",".join(map(str, joiners)))
         except Exception as e:  # the store is gone: every member learns it in this confirmation
-            self._store_failed(e)
+            self.store_health.failed(e)
             return False
         return bool(joiners)
 
@@ -407,11 +372,11 @@ class ElasticRuntime:
         return self._guarded(self._commit, record)
 
     def _commit(self, record: Dict[str, Any]) -> bool:
-        ok = self._error is None
-        whole = self.grid.dp * self.k  # summed over my position's data-parallel group
-        if ok and self._ran is not None and self._ran != whole:
+        ok = not self.latch.failed
+        whole, ran = self.grid.dp * self.k, self.latch.ran  # summed over my position's data-parallel group
+        if ok and ran is not None and ran != whole:
             raise IncompleteStep(
-                f"[gen {self.generation} rank {self.rank} step {self.step}] the members ran {self._ran} of the "
+                f"[gen {self.generation} rank {self.rank} step {self.step}] the members ran {ran} of the "
                 f"{whole} micro-batches of the global batch: the step is not committed (the training loop must run "
                 "every micro-batch of plan().micro_batches)")
         if self.sharding is not None:  # every shard steps or none does: voted in the store
@@ -419,7 +384,7 @@ class ElasticRuntime:
         step, ran = self.step, self._as_ran()
         confirmed, admit, store_lost = self._confirm(ok)
         if store_lost:  # every member learnt it in the same collectives: none commits this step
-            raise StoreLost(self._store_lost_message(step), writer=self.grid.replica_of(min(self.members)))
+            raise StoreLost(self.store_health.message(step), writer=self.grid.replica_of(min(self.members)))
         if confirmed:
             self._committed(step, {**ran, **record}, admit=admit)
             return True
@@ -448,7 +413,7 @@ class ElasticRuntime:
         store call of its own, and, as -1, whether a rank found the store lost (then no member
         commits: `_commit` raises StoreLost everywhere). Returns (confirmed, admit, store_lost)."""
         flags = self._replica_min([1.0 if reduced else 0.0, -1.0 if reduced and self._admission() else 0.0,
-                                   -1.0 if self._store_lost_since() is not None else 0.0])
+                                   -1.0 if self.store_health.lost_since() is not None else 0.0])
         if flags[0] == 1.0:
             t = torch.tensor(flags, device=self._device())
             try:
@@ -458,7 +423,7 @@ class ElasticRuntime:
             except MeCeFOError:
                 raise
             except Exception as e:  # gloo: connection closed / timed out; an injected error
-                self.report_error(e)
+                self.latch.report_error(e)
                 flags = [0.0, 0.0, flags[2]]
         flags = self._replica_min(flags)
         return flags[0] == 1.0, flags[0] == 1.0 and flags[1] < 0, flags[2] < 0
@@ -469,23 +434,6 @@ class ElasticRuntime:
             return flags
         with self.replica_collectives(self.step):
             return groups.replica_min(flags)
-
-    def _store_failed(self, error: BaseException) -> None:
-        if self._store_error is None:
-            self._store_error = time.time()
-            self.log.error("the store did not answer: %s", error)
-
-    def _store_lost_since(self) -> Optional[float]:
-        """When this rank found the store gone (its heartbeat thread, or a failed store call)."""
-        return self.membership.heartbeat.lost_since or self._store_error
-
-    def _store_lost_message(self, step: int, at_commit: bool = True) -> str:
-        since = self._store_lost_since()
-        seen = f"since {time.strftime('%H:%M:%S', time.localtime(since))} on this rank" if since else "on another rank"
-        ends = f"every member ends before committing step {step}" if at_commit else f"this rank ends at step {step}"
-        return (f"the job's store ({self._store_addr}) stopped answering ({seen}): no failure could be absorbed "
-                f"any more, so {ends}; restart the job from the checkpoint (and its store: mecefo-launch, or "
-                "mecefo-store)")
 
     def _position_barrier(self) -> None:
         """Every live member of this rank's position (its data-parallel group) got here."""
@@ -514,11 +462,11 @@ class ElasticRuntime:
     def _mark_progress(self, step: int) -> None:
         """The lowest member's one store call of a committed step: the progress trace-restarted ranks
         read. A store that fails here is found by the next step's confirmation or vote."""
-        if self.rank == min(self.members) and self._store_lost_since() is None:
+        if self.rank == min(self.members) and self.store_health.lost_since() is None:
             try:
                 self.store.set(keys.PROGRESS, str(step + 1))
             except Exception as e:  # a store error of any kind: the job's end is agreed in a collective
-                self._store_failed(e)
+                self.store_health.failed(e)
 
     def _as_ran(self) -> Dict[str, Any]:
         """The step record's fields of the generation the current step ran in."""
@@ -540,7 +488,7 @@ class ElasticRuntime:
         except _STORE_ERRORS as e:
             if not ok:  # this rank's reduction failed as well: no collective left to agree in
                 raise
-            self._store_failed(e)
+            self.store_health.failed(e)
             decision = None  # whether the others read a commit is agreed below
         if decision is not None and decision.commit and not ok:
             raise IncompleteStep(
@@ -552,7 +500,7 @@ class ElasticRuntime:
                 # the store was lost between the decision and a member's read: no shard steps, and the
                 # members agreed on that in a collective, so they agree on the writer as well
                 writer = self.grid.replica_of(min(self.members)) if everyone_read is False else None
-                raise StoreLost(self._store_lost_message(step), writer=writer)
+                raise StoreLost(self.store_health.message(step), writer=writer)
         if decision.commit:
             self._mark_progress(step)
             if decision.joiners:
@@ -590,7 +538,7 @@ class ElasticRuntime:
         error = self.sharding.gather_error if self.sharding is not None else None
         if error is None:
             return
-        self.report_error(error)
+        self.latch.report_error(error)
         self.events.write("gather_failed", step=self.step, error=str(error).splitlines()[0][:200])
         self.step += 1
         self.membership.abort_step(self.generation, self.step)  # a member already in the next step stops waiting
@@ -602,8 +550,8 @@ class ElasticRuntime:
         """Agree on the survivors and regroup. `reduced`: this rank holds the current step's reduced
         gradients (its confirmation failed). Returns True when a member committed that step: this
         rank then commits it too, with those gradients."""
-        t_detect = self._error_time or time.monotonic()
-        self._detected_wall = self._error_wall or time.time()
+        t_detect = self.latch.error_time or time.monotonic()
+        self._detected_wall = self.latch.error_wall or time.time()
         t0 = time.monotonic()
         self._drop_group()
         self.log.warning("step %d aborted; agreeing on survivors", self.step)
@@ -691,8 +639,8 @@ class ElasticRuntime:
         except _STORE_ERRORS as e:
             # the store failed under a call only a failure or an admission makes (a recovery, a group
             # formation): with no agreed writer, the checkpoint is written only if the store answers
-            self._store_failed(e)
-            lost = StoreLost(f"{self._store_lost_message(self.step, at_commit=False)} ({e})", writer=None)
+            self.store_health.failed(e)
+            lost = StoreLost(f"{self.store_health.message(self.step, at_commit=False)} ({e})", writer=None)
             self._give_up(lost)
             raise lost from e
 

@@ -26,7 +26,7 @@ D replicas of T * P ranks each):
 1. Detection (nothing blocks for long). The reduction's collective fails: gloo raises "connection
    closed" within a fraction of a second of a SIGKILL, and a hung (SIGSTOPped) peer makes it time
    out after `collective_timeout_s`. `Reduction` (reduction.py) latches the error in the runtime
-   (`runtime.report_error`); the step's later collectives are skipped. A rank that is not in a
+   (`runtime.latch`, latch.py); the step's later collectives are skipped. A rank that is not in a
    failing collective learns it from its heartbeat thread, which watches the step's failure mark
    (`runtime.step_aborted`, no store call of its own); the launcher marks a crashed rank's
    heartbeat at once, and a rank is presumed failed once its counter stalls for
@@ -37,6 +37,9 @@ D replicas of T * P ranks each):
    confirmation all-reduce completed (every member reduced), which a dead rank prevents; a
    sharded optimizer state is voted in the store instead (membership/commit.py). Nobody steps
    the optimizer (replicas stay bit-identical); `finish` zeroes the gradients and returns False.
+   The adapter's half: in Megatron-LM `finish` runs inside upstream's `optimizer.step()`, whose
+   gate then returns upstream's skipped update (no scheduler step), and the host redoes the step;
+   the own loop and Megatron-DeepSpeed redo it inside `run` before `train_step` returns.
    A member whose confirmation failed after the others' completed keeps its gradients, and commits
    the step late when the agreement says a member did.
 3. Agreement (`runtime._recover`, membership/agreement.py): the survivors destroy the generation's
@@ -154,7 +157,7 @@ class StepDriver:
         self._observed = False
         self.record_extra: Dict[str, Any] = {}
         """Extra fields for this step's record in steps_rank{R}.jsonl."""
-        self.reduction = Reduction(runtime, sharding=sharding)
+        self.reduction = Reduction(runtime.latch, sharding=sharding)
         """The step's reduction across replicas; a host that overlaps it plugs its buckets in here."""
 
     @property

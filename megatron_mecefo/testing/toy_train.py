@@ -157,7 +157,7 @@ def main():
                        save_checkpoint=save_checkpoint, save_shards=save_shards if sharded is not None else None)
     rt = ElasticRuntime(cfg, env, micro_batches=args.k, state=state, sharding=sharded,
                         injector=FaultInjector.for_job(cfg, env, train_iters=args.steps))
-    reduction = Reduction(rt, sharding=sharded)
+    reduction = Reduction(rt.latch, sharding=sharded)
     step = 0
 
     def train():  # run_to_exit maps how it ends to the launchers' exit codes, as the examples do

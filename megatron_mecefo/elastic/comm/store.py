@@ -29,13 +29,13 @@ import socket
 import time
 import uuid
 from datetime import timedelta
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch.distributed as dist
 
 from megatron_mecefo.errors import JobConflict
 
-__all__ = ["JOB_KEY", "new_job_id", "listen_socket", "host_store", "client", "job_store", "read_job", "attach",
+__all__ = ["StoreHealth", "JOB_KEY", "new_job_id", "listen_socket", "host_store", "client", "job_store", "read_job", "attach",
            "describe_busy_port", "request_stop", "CountingStore"]
 
 logger = logging.getLogger(__name__)
@@ -212,3 +212,33 @@ class CountingStore:
             return attr(*args, **kwargs)
 
         return call
+
+
+class StoreHealth:
+    """Whether this rank found the job's store gone: its heartbeat thread (`heartbeat_lost_since`)
+    or a store call of its own (`failed`). A lost store ends the job with a checkpoint; this holds
+    when it was seen and the message that says so."""
+
+    def __init__(self, address: str, heartbeat_lost_since: Callable[[], Optional[float]], log) -> None:
+        self.address = address
+        self._heartbeat_lost_since = heartbeat_lost_since
+        self._log = log
+        self._failed_at: Optional[float] = None
+
+    def failed(self, error: BaseException) -> None:
+        """A store call of this rank's failed."""
+        if self._failed_at is None:
+            self._failed_at = time.time()
+            self._log.error("the store did not answer: %s", error)
+
+    def lost_since(self) -> Optional[float]:
+        """When this rank found the store gone (time.time()), or None."""
+        return self._heartbeat_lost_since() or self._failed_at
+
+    def message(self, step: int, at_commit: bool = True) -> str:
+        since = self.lost_since()
+        seen = f"since {time.strftime('%H:%M:%S', time.localtime(since))} on this rank" if since else "on another rank"
+        ends = f"every member ends before committing step {step}" if at_commit else f"this rank ends at step {step}"
+        return (f"the job's store ({self.address}) stopped answering ({seen}): no failure could be absorbed "
+                f"any more, so {ends}; restart the job from the checkpoint (and its store: mecefo-launch, or "
+                "mecefo-store)")
