@@ -84,22 +84,18 @@ class MeCeFOEngine(DrivenHost):
         """DeepSpeed's pipeline engine (a PipelineModule): steps run through `train_batch`."""
         if self.pipeline:
             self.engine.pipeline_enable_backward_allreduce = False  # its ReduceGrads: the runtime's
-        self._plan: Optional[StepPlan] = None
-        self._done = 0
-        self._loss_sum = 0.0
+        self._loss = 0.0  # the last micro-batch's, from backward to step
         self.optimizer_kwargs: Dict[str, Any] = {}
         """What the engine's optimizer step is called with (`step(**kwargs)`, the pipeline's lr_kwargs)."""
-        self.buckets = None
-        """The reduction overlapped with the last micro-batch's backward (ds_config
-        "zero_optimization.overlap_comm"; data parallelism only: with T or P > 1 Megatron-Core's
-        schedule runs the backward), or None."""
 
     def join(self, driver: StepDriver, overlap_bucket: Optional[int] = None) -> "MeCeFOEngine":
         """Drive this engine's steps with `driver` (elastic.attach); with `overlap_bucket`, the
         reduction runs in buckets of that many elements during the last micro-batch's backward."""
         self.driver, self.runtime, self.recompute_note = driver, driver.runtime, driver.recompute_note
         if overlap_bucket is not None and self.model_parallel == 1 and not self.pipeline:
-            self.buckets = driver.reduction.bucket_parameters(self.engine.module.parameters(), overlap_bucket)
+            # ds_config "zero_optimization.overlap_comm": the reduction overlaps the last micro-batch's
+            # backward (data parallelism only: with T or P > 1 Megatron-Core's schedule runs it)
+            driver.reduction.bucket_parameters(self.engine.module.parameters(), overlap_bucket)
         elif overlap_bucket is not None and driver.runtime.rank == 0:
             logger.warning('ds_config "zero_optimization.overlap_comm": MeCeFO overlaps the reduction with data '
                            "parallelism only; with tensor or pipeline parallelism it runs after the backward")
@@ -124,11 +120,7 @@ class MeCeFOEngine(DrivenHost):
 
     def plan(self) -> StepPlan:
         """This step's plan (starts the step on first call)."""
-        if self.driver.plan is None:
-            self.driver.begin(self.engine.global_steps)
-        if self._plan is not self.driver.plan:  # a new step, or a redo (driver.run begins it)
-            self._plan, self._done, self._loss_sum = self.driver.plan, 0, 0.0
-        return self._plan
+        return self.driver.begun(self.engine.global_steps)
 
     def micro_batches(self) -> Iterator[MicroBatch]:
         """The micro-batches this rank runs this step (own, then adopted)."""
@@ -137,18 +129,13 @@ class MeCeFOEngine(DrivenHost):
     # -- the DeepSpeed surface --------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        mb = self.plan().micro_batches[self._done]
-        with self.driver.forward(mb), self.driver.replica_collectives():
+        self.plan()
+        with self.driver.forward(self.driver.micro_batch), self.driver.replica_collectives():
             return self.engine(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, **kwargs):
-        if self.buckets is not None:  # the step's last micro-batch: complete buckets reduce during its backward
-            if self._done == len(self.plan().micro_batches) - 1:
-                self.buckets.arm()
-            else:  # an earlier one (also of a pass redone after a failure in the last backward)
-                self.buckets.disarm()
-        self.driver.fire("backward")
-        self._loss_sum += float(loss.detach())
+        self.driver.backward_begins()
+        self._loss = float(loss.detach())
         with self.driver.replica_collectives():
             return self.engine.backward(loss, scale_wrt_gas=False, **kwargs)  # micro-batch gradients are SUMMED
 
@@ -185,11 +172,9 @@ class MeCeFOEngine(DrivenHost):
 
         Returns True when an optimizer step was taken.
         """
-        n = len(self.plan().micro_batches)
-        self._done += 1
-        if self._done < n:
-            return False
-        return self._finish(self._loss_sum, self._done, **kwargs)
+        self.plan()
+        done = self.driver.micro_batch_done(self._loss)
+        return self._finish(*done, **kwargs) if done is not None else False
 
     def _finish(self, loss_sum: float, ran: int, **step_kwargs) -> bool:
         self.optimizer_kwargs = step_kwargs

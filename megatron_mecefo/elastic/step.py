@@ -191,10 +191,42 @@ class StepDriver:
         self.runtime.begin_step(step)
         self.plan = self.runtime.plan()
         self.optimizer_result = None
+        self._ran, self._loss_sum = 0, 0.0  # this pass's, for hosts that run one micro-batch at a time
         self.reduction.record.clear()  # this pass's
         if self.cfg.log_param_hash:  # replicas must be bit-identical at the start of every step
             self.record_extra["param_sha256"] = param_digest(self.host.module)
         return self.plan
+
+    # -- one micro-batch at a time: hosts whose loop calls forward, backward and step per micro-batch
+
+    def begun(self, step: int) -> StepPlan:
+        """The plan of the pass in progress; begins `step` if no pass is (the first forward of a step).
+        A redo (`run`, or a failed `finish`) begins a new pass, and the count starts again."""
+        if self.plan is None:
+            self.begin(step)
+        return self.plan
+
+    @property
+    def micro_batch(self) -> MicroBatch:
+        """The micro-batch the host runs next in this pass."""
+        return self.plan.micro_batches[self._ran]
+
+    def backward_begins(self) -> None:
+        """Before the backward of `micro_batch`: the "backward" injection point, and the overlapped
+        buckets (if a host plugged `.grad` buckets in) armed for the pass's last micro-batch only."""
+        buckets = self.reduction.overlap
+        if buckets is not None:
+            if self._ran == len(self.plan.micro_batches) - 1:
+                buckets.arm()
+            else:  # an earlier one (also of a pass redone after a failure in the last backward)
+                buckets.disarm()
+        self.fire("backward")
+
+    def micro_batch_done(self, loss: float) -> Optional[Tuple[float, int]]:
+        """`micro_batch` ran with this loss. At the pass's last: (the pass's summed loss, micro-batches
+        run), and the host calls `finish`; None before."""
+        self._ran, self._loss_sum = self._ran + 1, self._loss_sum + loss
+        return (self._loss_sum, self._ran) if self._ran == len(self.plan.micro_batches) else None
 
     def policy(self, mb: MicroBatch) -> Optional[CoverPolicy]:
         """The covering policy of micro-batch `mb` (None: the exact backward)."""
