@@ -149,7 +149,7 @@ def wrap_engine(engine, cfg: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: i
                                       pipeline_parallel=pipeline_parallel) if sharded else None
     save_shards = None
     if shards is not None and save_dir is not None:
-        save_shards = lambda: shards.save(os.path.join(save_dir, f"global_step{engine.global_steps}"))  # noqa: E731
+        save_shards = lambda: shards.files.save(os.path.join(save_dir, f"global_step{engine.global_steps}"))  # noqa: E731
     if shards is not None and save is not None:  # the give-up checkpoint gathers the holders' shards
         save = _gathering(save, shards, engine, clip_grad)
     wrapper = MeCeFOEngine(engine, micro_batch_size=micro_batch_size, model_parallel=tensor_parallel * pipeline_parallel,
@@ -184,7 +184,7 @@ def _loaded_optimizer_state(engine, shards: Optional[ShardedOptimizer], load_dir
                              'ds_config "zero_optimization": {"stage": 1} (MeCeFO shards it over the replicas)')
         return None
     found = zero_state(tag, [b - a for a, b in shards.group_bounds], shards.keys, engine.checkpoint_mp_rank)
-    return found if found is not None or not shards.has_files(tag) else tag  # shard files: a give-up's
+    return found if found is not None or not shards.files.has_files(tag) else tag  # shard files: a give-up's
 
 
 def _gathering(save, shards: ShardedOptimizer, engine, clip_grad: float):

@@ -128,7 +128,7 @@ def write_zero_checkpoint(sharded, tag_dir: str, got, *, mp_rank: int, clip_grad
 
     state, scalars, parts = got
     params = state["master"] if "master" in state else sharded.whole_parameters()
-    groups, masters, steps = [], [], sharded.group_steps(scalars)
+    groups, masters, steps = [], [], sharded.files.group_steps(scalars)
     for (a, b), step in zip(sharded.group_bounds, steps):  # views: torch.save keeps one copy of each flat tensor
         groups.append({**{k: v[a:b] for k, v in state.items() if k != "master"}, "step": torch.tensor(step)})
         masters.append(params[a:b])

@@ -112,7 +112,7 @@ class Formation:
                 group = groups.build_dp_group(self.store, generation, peers, self.rank, self._timeout, self.backend,
                                               tag="t{}p{}".format(*self.position), should_abort=failed)
                 if self.sharding is not None:  # first: it re-sends the parameters the joiners' state then holds
-                    sharded = self.sharding.regroup(group, peers, [self.grid.replica_of(r) for r in peers],
+                    sharded = self.sharding.resharding.regroup(group, peers, [self.grid.replica_of(r) for r in peers],
                                                     [r for r in peers if r not in agreed.joiners], self.rank,
                                                     replicas_total=self.grid.dp,
                                                     midway=lambda: self.injector.maybe_fire(agreed.step, "reshard"),
@@ -173,7 +173,7 @@ class Formation:
                                should_abort=should_abort)
 
     def _install(self, sharded, generation: int, step: int) -> None:
-        self.sharding.install(sharded)
+        self.sharding.resharding.install(sharded)
         lost = [list(r) for r in self.sharding.last_reshard.lost]
         if lost:  # on_shard_loss "reinit": these ranges' moments and step count restarted
             self.log.warning("optimizer state %s had no live holder: rebuilt (moments and step restarted)", lost)

@@ -25,7 +25,7 @@ def collect_given_up(sharding, directory: str, log) -> Optional[tuple]:
     """In a host's give-up `save`: the whole sharded optimizer state from the files every holder
     wrote under `directory` (unstamped), for the host to write in its upstream format
     (`ShardedOptimizer.collect`; None when they are not all visible within SHARDS_VISIBLE_S)."""
-    return sharding.collect(directory, "", SHARDS_VISIBLE_S, log)
+    return sharding.files.collect(directory, "", SHARDS_VISIBLE_S, log)
 
 
 def write_checkpoint(store, grid: Grid, rank: int, *, step: int, has_state: bool,

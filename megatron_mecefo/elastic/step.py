@@ -179,10 +179,10 @@ class StepDriver:
         do not within the collective timeout (the shard files stay: MeCeFO resumes from them)."""
         rt, sharding = self.runtime, self.reduction.sharding
         stamp = f"{rt.job_id}:{rt.generation}:{iteration}"
-        sharding.save(directory, copies=False, stamp=stamp)
+        sharding.files.save(directory, copies=False, stamp=stamp)
         if not (collect and rt.leads()):
             return None
-        return sharding.collect(directory, stamp, self.cfg.collective_timeout_s, rt.log)
+        return sharding.files.collect(directory, stamp, self.cfg.collective_timeout_s, rt.log)
 
     # -- the sequence -----------------------------------------------------------------------------
 

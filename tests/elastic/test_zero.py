@@ -89,11 +89,11 @@ def worker(rank, port, schedule, load, save, start_step, out, on_loss="give_up",
         holders = [r for r in live if r in previous]
         group = group_of(store, generation, list(live), rank)
         try:
-            pending = sharded.regroup(group, list(live), list(live), holders, rank, replicas_total=5)
+            pending = sharded.resharding.regroup(group, list(live), list(live), holders, rank, replicas_total=5)
         except ShardLost as e:
             record["lost"] = str(e)
             break
-        sharded.install(pending)
+        sharded.resharding.install(pending)
         record.setdefault("lost_ranges", []).extend(sharded.last_reshard.lost)
         for _ in range(steps):
             for group_ in sharded.optimizer.param_groups:
@@ -106,7 +106,7 @@ def worker(rank, port, schedule, load, save, start_step, out, on_loss="give_up",
         record["bytes"] = sharded.nbytes()
         record["replicated_bytes"] = sharded.replicated_nbytes()
     if save and "lost" not in record:
-        sharded.save(save)
+        sharded.files.save(save)
         if rank == 0:
             torch.save([p.detach().clone() for p in params], os.path.join(save, "module.pt"))
     torch.save(record, os.path.join(out, f"rank{rank}.pt"))
@@ -214,7 +214,8 @@ def rs_worker(rank, port, world, neighbour, out):
     m = model()
     m[2].weight.mecefo_grad_group = GradGroup.MHA  # one attention-like parameter: its own divisor
     sharded = ShardedOptimizer(optimizer(m), neighbour_copy=neighbour)
-    sharded.install(sharded.regroup(group_of(store, 0, live, rank), live, live, live, rank, replicas_total=world))
+    reshard = sharded.resharding
+    reshard.install(reshard.regroup(group_of(store, 0, live, rank), live, live, live, rank, replicas_total=world))
     group = group_of(store, 1, live, rank)
 
     def local():
@@ -283,7 +284,8 @@ def abort_worker(rank, port, where, out):
     store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
     live = [0, 1, 2, 3]
     sharded = ShardedOptimizer(optimizer(model()))
-    sharded.install(sharded.regroup(group_of(store, 0, live, rank), live, live, live, rank, replicas_total=4))
+    reshard = sharded.resharding
+    reshard.install(reshard.regroup(group_of(store, 0, live, rank), live, live, live, rank, replicas_total=4))
     if rank == 3:
         store.wait(["done/0", "done/1"])
         return
@@ -295,14 +297,14 @@ def abort_worker(rank, port, where, out):
             store.set("gen1/formed", "no")
         else:
             try:
-                sharded.regroup(_LeavesBeforeTheMoves(group, store), live, live, live, rank, replicas_total=4)
+                sharded.resharding.regroup(_LeavesBeforeTheMoves(group, store), live, live, live, rank, replicas_total=4)
             except RuntimeError:
                 pass
         store.wait(["done/0", "done/1"])
         return
     t0 = time.monotonic()
     try:
-        sharded.regroup(group, live, live, live, rank, replicas_total=4, should_abort=failed)
+        sharded.resharding.regroup(group, live, live, live, rank, replicas_total=4, should_abort=failed)
         outcome = "finished"
     except PeerAborted:
         outcome = "aborted"

@@ -17,8 +17,9 @@ gradient of its shard and of its copy):
 - the owner updates its shard and the copy holder the copy, from the same gradient and state:
   bit-identical (a second update of 1/D of the parameters);
 - the updated shards are all-gathered (each rank receives (D-1)/D of the parameters).
-Knows tensors and a group, not the protocol: the runtime calls `regroup` / `install` and reads
-`gather_error` after the optimizer step; the step's reduction (reduction.py) reduce-scatters into it.
+Knows tensors and a group, not the protocol: the runtime re-shards it (`resharding`: regroup /
+install, reshard.py) and reads `gather_error` after the optimizer step; the step's reduction
+(reduction.py) reduce-scatters into it; checkpoints are `files` (files.py).
 
 The gather runs after the commit. If a peer dies in it, the step stands (every holder of every range
 took it): `gather_error` is set and the runtime regroups at once; `regroup` re-sends every range's
@@ -28,27 +29,16 @@ parameters from a surviving holder, so no rank trains on a half-gathered model.
 from __future__ import annotations
 
 import dataclasses
-import glob
-import os
-import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
-from megatron_mecefo.elastic.sharding.shards import Reshard, ShardLayout, reshard
-from megatron_mecefo.elastic.sharding.state_source import Piece, StateSource
-from megatron_mecefo.errors import GaveUp
+from megatron_mecefo.elastic.sharding.files import ShardFiles
+from megatron_mecefo.elastic.sharding.reshard import Resharding, ShardLost
+from megatron_mecefo.elastic.sharding.shards import Reshard, ShardLayout
+from megatron_mecefo.elastic.sharding.state_source import StateSource
 
 __all__ = ["ShardedOptimizer", "ShardLost", "innermost_optimizer"]
-
-SHARD_FILE = "mecefo_optim_{tag}_{start}-{end}.pt"
-"""One held range of one (tp, pp) position's state in a checkpoint directory."""
-
-
-class ShardLost(GaveUp):
-    """A range of the sharded optimizer state has no live holder (its owner and the holder of its
-    copy failed together, or there was no copy): the job ends with the last checkpoint."""
 
 
 def innermost_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -163,6 +153,10 @@ class ShardedOptimizer:
         self._source: Optional[StateSource] = None  # a checkpoint's state to start from (--load)
         self.gather_error: Optional[BaseException] = None
         self.last_reshard: Optional[Reshard] = None
+        self.resharding = Resharding(self)
+        """A new generation: `regroup` builds the held ranges aside, `install` makes them current."""
+        self.files = ShardFiles(self)
+        """Checkpoints: one file per held range, written by its holder (`save`, `collect`)."""
         optimizer.step = self.step  # the host's wrappers (clipping, scheduler, counters) stay as they are
 
     @classmethod
@@ -372,247 +366,16 @@ class ShardedOptimizer:
         master where the parameters are of lower precision (fp32 parameters are their own)."""
         return self.numel * 4 * len(self.keys)
 
-    # -- a new generation ----------------------------------------------------------------------------
-
-    def regroup(self, group, peers: Sequence[int], replicas: Sequence[int], holders: Sequence[int], rank: int,
-                replicas_total: int, midway: Callable[[], None] = lambda: None,
-                should_abort: Optional[Callable[[], bool]] = None):
-        """Re-shard over the generation whose data-parallel group at this position is `group`.
-
-        Call on every peer (in the group's order: `peers` global ranks, `replicas` their replica
-        indices; `replicas_total`: D of the original job); `holders`: the peers holding the training
-        state (joiners do not); `midway` runs once the layout is shared, before anything moves (an
-        injection point). The new held ranges are built aside; `install` makes them current once
-        the whole generation formed. The parameters are re-sent in place: the holders' values,
-        which every survivor takes in any generation that forms. `should_abort` is polled while
-        waiting (groups.wait_): a peer that saw the generation fail ends the wait at once.
-
-        Raises:
-            ShardLost: a range of the state has no surviving holder (on_loss "give_up").
-            whatever the collectives raise (a peer died): the optimizer state is unchanged.
-        """
-        me = peers.index(rank)
-        donor = min(peers.index(h) for h in holders)
-        old = self._share_layout(group, donor, me, replicas_total, should_abort)
-        midway()
-        new = ShardLayout(self.numel, tuple(sorted(replicas)), neighbour_copy=self.neighbour_copy)
-        held_by = {replicas[peers.index(h)] for h in holders}
-        mine = replicas[me]
-        if old is None:  # the whole state on every holder (fresh, or loaded): carve locally or send
-            change = _whole_layout_moves(new, held_by)
-        else:
-            change = reshard(old, new, held_by)
-        if old is not None:  # first, so that a give-up checkpoint's module is the same on every survivor
-            self._sync_parameters(group, old, held_by, replicas, should_abort)
-        if change.lost and self.on_loss != "reinit":
-            lost = ", ".join(f"[{a}, {b})" for a, b in change.lost)
-            error = ShardLost(f"the sharded optimizer state lost elements {lost} of {self.numel}: their owner and "
-                              "the holder of their copy failed together (or shard_redundancy is \"none\"); the job ends "
-                              "with the last checkpoint (on_shard_loss: \"reinit\" rebuilds such ranges instead)")
-            error.peers = list(peers)  # this position's survivors: they write their ranges of the give-up checkpoint
-            raise error
-        fresh = {into: self._new_held(a, b) for into, (a, b) in new.held(mine).items()}
-        width = len(self.keys) + len(self.fresh_scalars)
-        # every remote move in one all-to-all (gloo's send/recv cannot be polled, so a peer could not
-        # stop waiting when another saw the generation fail); each pair's moves in their order
-        n = len(replicas)
-        outgoing, incoming = [[] for _ in range(n)], [[] for _ in range(n)]
-        for mv in change.moves:
-            if mv.src == mine:
-                payload = self._slice(mv.start, mv.end, whole=old is None)
-                if mv.local:
-                    self._fill(fresh[mv.into], mv, payload)
-                else:
-                    outgoing[replicas.index(mv.dst)].append(payload.float())
-            elif mv.dst == mine:
-                incoming[replicas.index(mv.src)].append(mv)
-        if any(not mv.local for mv in change.moves):  # the moves are the same on every peer: all call it or none
-            from megatron_mecefo.elastic.comm import groups
-
-            device = next(p.device for g in self.optimizer.param_groups for p in g["params"])
-            send_splits = [sum(t.numel() for t in ts) for ts in outgoing]
-            recv_splits = [sum((mv.end - mv.start) * width for mv in mvs) for mvs in incoming]
-            sent = torch.cat([t.to(device) for ts in outgoing for t in ts]) if any(send_splits) else \
-                torch.empty(0, device=device)
-            got = torch.empty(sum(recv_splits), device=device)
-            groups.wait_(group.alltoall_base(got, sent, recv_splits, send_splits, dist.AllToAllOptions()),
-                         should_abort)
-            at = 0
-            for mvs in incoming:
-                for mv in mvs:
-                    size = (mv.end - mv.start) * width
-                    self._fill(fresh[mv.into], mv, got[at:at + size])
-                    at += size
-        for held in fresh.values():  # a lost range (reinit) keeps its fresh state: zeros, step 0
-            self._bind(held)
-        return new, mine, fresh, change, group, list(replicas)
-
-    def install(self, pending) -> None:
-        """Make the re-sharded state current (the generation formed)."""
-        self.layout, self.replica, self.held, self.last_reshard, self.group, self._group_replicas = pending
-        self._source = None
-        self.optimizer.state.clear()  # the whole state it may have held (a loaded checkpoint) is now sharded
-
-    def _share_layout(self, group, donor: int, me: int, width: int, should_abort=None) -> Optional[ShardLayout]:
-        """The donor's layout (its live replicas; -1: the whole state), broadcast to the peers."""
-        info = torch.full((width,), -2, dtype=torch.int64)
-        if me == donor:
-            live = list(self.layout.live) if self.layout is not None else [-1]
-            info[:len(live)] = torch.tensor(live)
-        from megatron_mecefo.elastic.comm import groups
-
-        groups.broadcast_(group, info, donor, should_abort)
-        live = [int(x) for x in info if x != -2]
-        if live == [-1]:
-            return None
-        return ShardLayout(self.numel, tuple(live), neighbour_copy=self.neighbour_copy)
-
-    def _sync_parameters(self, group, old: ShardLayout, held_by, replicas: Sequence[int], should_abort=None) -> None:
-        """Every old shard's parameters from a surviving holder (its owner, else its copy's holder, else
-        the lowest survivor) to every peer: after a gather that a death cut short, no rank keeps a
-        half-updated model."""
-        from megatron_mecefo.elastic.comm import groups
-
-        for owner in old.live:
-            a, b = old.shard(owner)
-            holder = owner if owner in held_by else old.copy_holder(owner)
-            if holder not in held_by:  # lost (reinit): any one survivor's values, the same everywhere
-                holder = min(held_by)
-            buf = self._read(a, b) if holder == self.replica else torch.empty(b - a)
-            groups.broadcast_(group, buf, replicas.index(holder), should_abort)
-            if holder != self.replica:
-                self._write(a, buf)
-        if self.on_parameters is not None:
-            self.on_parameters()
-
-    def _slice(self, start: int, end: int, whole: bool) -> torch.Tensor:
-        """What a move of [start, end) carries: the per-element state key after key, then the
-        scalars per element, from what this rank holds."""
-        if whole:
-            return torch.cat([self._whole_state(start, end)] + self._whole_scalar_elems(start, end))
-        for held in self.held.values():
-            if held.start <= start and end <= held.end:
-                return torch.cat([held.state[k][start - held.start:end - held.start] for k in self.keys]
-                                 + self._scalar_elems(held, start, end))
-        raise RuntimeError(f"[{start}, {end}) is not held here: the re-shard's moves and the held ranges disagree")
-
-    def _fill(self, held: _Held, mv, payload: torch.Tensor) -> None:
-        n, at = mv.end - mv.start, slice(mv.start - held.start, mv.end - held.start)
-        for i, k in enumerate(self.keys):
-            held.state[k][at] = payload[i * n:(i + 1) * n]
-        for i, k in enumerate(self.fresh_scalars, start=len(self.keys)):
-            held.scalars[k][at] = payload[i * n:(i + 1) * n]
-
-    # -- the whole state (before the first generation): the host optimizer's, or a checkpoint's ----
-
-    def _whole_state(self, start: int, end: int) -> torch.Tensor:
-        if self._source is not None:
-            return torch.cat([self._source.read(k, start, end) for k in self.keys])
-        out = []
-        for k in self.keys:
-            if k == "master":
-                out.append(self._read(start, end))
-                continue
-            flat = torch.zeros(end - start)
-            for p, sl, at in self._spans(start, end):
-                st = self.optimizer.state.get(p, {})
-                if k in st:
-                    flat[at:at + sl.stop - sl.start] = st[k].reshape(-1)[sl].float()
-            out.append(flat)
-        return torch.cat(out)
-
-    def _whole_scalar_elems(self, start: int, end: int) -> List[torch.Tensor]:
-        if self._source is not None:
-            return self._source.scalars(self.fresh_scalars, start, end)
-        out = [torch.full((end - start,), float(v)) for v in self.fresh_scalars.values()]
-        for p, sl, at in self._spans(start, end):
-            st = self.optimizer.state.get(p)
-            if st:
-                for i, k in enumerate(self.fresh_scalars):
-                    out[i][at:at + sl.stop - sl.start] = float(st[k])
-        return out
-
-    # -- checkpoints: one file per held range, written by its holder -----------------------------
-
-    def save(self, directory: str, *, copies: bool = True, stamp: str = "") -> List[str]:
-        """Write this rank's held ranges under `directory` (every rank writes its own; a range two
-        ranks hold is written twice with the same content, atomically); `copies` False: the shard
-        only (the owners' shards cover the state once). `stamp` marks this save (`collect`).
-        Returns the paths."""
-        os.makedirs(directory, exist_ok=True)
-        paths = []
-        for name, held in self.held.items():
-            if name == "copy" and not copies:
-                continue
-            path = os.path.join(directory, SHARD_FILE.format(tag=self.tag, start=held.start, end=held.end))
-            tmp = f"{path}.tmp{os.getpid()}"
-            segments = [(lo, hi, {k: float(held.inner.state[m][k]) for k in self.fresh_scalars})
-                        for m, g, lo, hi in held.parts]
-            torch.save({"numel": self.numel, "start": held.start, "end": held.end, "keys": self.keys,
-                        "state": dict(held.state), "segments": segments, "stamp": stamp}, tmp)
-            os.replace(tmp, path)
-            paths.append(path)
-        return paths
-
-    def collect(self, directory: str, stamp: str, timeout_s: float, log=None):
-        """The whole state, once the shard files of the save `stamp` under `directory` cover it (the
-        owners write theirs at the same step): ({key: flat values}, {scalar: per element}, their
-        paths); None when they do not within timeout_s (logged to `log`: the files stay)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                source, paths = self._shard_files(directory, stamp=stamp), self._files(directory)
-                break
-            except ValueError:
-                if time.monotonic() > deadline:
-                    if log is not None:
-                        log.warning("%s: not every optimizer shard was written within %.0f s: the state stays in "
-                                    "MeCeFO's shard files (MeCeFO resumes them; the host alone does not)",
-                                    directory, timeout_s)
-                    return None
-                time.sleep(0.05)
-        state = {k: source.read(k, 0, self.numel) for k in self.keys}
-        return state, dict(zip(self.fresh_scalars, source.scalars(self.fresh_scalars, 0, self.numel))), paths
-
-    def group_steps(self, scalars: Dict[str, torch.Tensor]) -> List[float]:
-        """Each param group's step count from `collect`'s per-element scalars (a range rebuilt by
-        "reinit" restarted lower: a format with one step per group takes the group's highest)."""
-        return [float(scalars["step"][a:b].max()) if "step" in scalars and b > a else 0.0
-                for a, b in self.group_bounds]
-
-    def _files(self, directory: str) -> List[str]:
-        return glob.glob(os.path.join(directory, SHARD_FILE.format(tag=self.tag, start="*", end="*")))
-
-    def has_files(self, directory: str) -> bool:
-        return bool(self._files(directory))
+    # -- where the state starts: the host optimizer's whole state, or a checkpoint's ---------------
 
     def load(self, source) -> None:
         """Start the first generation from a checkpoint's state: a StateSource (state_source.py), or
         a directory of this position's shard files (any number of replicas wrote them). Raises
         ValueError when it is of another model or optimizer, or does not cover the state."""
         if not isinstance(source, StateSource):
-            source = self._shard_files(source)
+            source = self.files.shard_files(source)
         source.check(self.numel, self.keys)
         self._source = source
-
-    def _shard_files(self, directory: str, stamp: Optional[str] = None) -> StateSource:
-        pieces, keys = [], self.keys
-        for path in self._files(directory):
-            head = torch.load(path, weights_only=True, mmap=True)
-            if stamp is not None and head.get("stamp") != stamp:
-                continue  # another save's
-            if head["numel"] != self.numel or list(head["keys"]) != self.keys:
-                raise ValueError(f"{path}: optimizer state of {head['numel']} elements {head['keys']}, this model's "
-                                 f"optimizer has {self.numel} {self.keys}")
-            a = int(head["start"])
-
-            def tensor(key, path=path):
-                return torch.load(path, weights_only=True, mmap=True)["state"][key]
-
-            for lo, hi, values in head["segments"]:  # a segment: one value of each scalar
-                pieces.append(Piece(lo, hi, lambda k, i, j, t=tensor, at=lo - a: t(k)[at + i:at + j],
-                                    {k: float(v) for k, v in values.items()}))
-        return StateSource(self.numel, pieces, keys, origin=f"{directory} (MeCeFO's shard files)")
 
 
 def _segments(scalars: Dict[str, torch.Tensor], start: int, n: int) -> List[Tuple[int, int]]:
@@ -625,14 +388,3 @@ def _segments(scalars: Dict[str, torch.Tensor], start: int, n: int) -> List[Tupl
     cuts = (stacked[:, 1:] != stacked[:, :-1]).any(0).nonzero().flatten().tolist()
     bounds = [0] + [c + 1 for c in cuts] + [n]
     return [(start + a, start + b) for a, b in zip(bounds, bounds[1:])]
-
-
-def _whole_layout_moves(new: ShardLayout, held_by) -> Reshard:
-    """Every holder holds everything: each range from itself if it holds, else from the lowest holder."""
-    from megatron_mecefo.elastic.sharding.shards import Move
-
-    first = min(held_by)
-    moves = tuple(Move(dst if dst in held_by else first, dst, a, b, into)
-                  for dst in new.live for into, (a, b) in new.held(dst).items() if a < b)
-    return Reshard(moves, ())
-

@@ -178,7 +178,7 @@ def as_upstream_optimizer(args, model, optimizer, shards, got):
 
     whole, scalars, parts = got
     sd = fully_reshardable_state_dict(model, innermost_optimizer(optimizer), shards.params, whole,
-                                      shards.group_steps(scalars))
+                                      shards.files.group_steps(scalars))
     return _as_distributed_optimizer(args, optimizer, sd, parts)
 
 

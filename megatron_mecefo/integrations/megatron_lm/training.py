@@ -128,7 +128,7 @@ def wrap_setup_model_and_optimizer(original: Callable, run: Run) -> Callable:
                                    args.pipeline_model_parallel_size) if run.sharded else None
             state = StateHooks(*training_state(MegatronLMHost.model_state(model), optimizer, scheduler, counters),
                                save_checkpoint=save if args.save else None,
-                               save_shards=(lambda: shards.save(shard_dir())) if shards is not None and args.save else None)
+                               save_shards=(lambda: shards.files.save(shard_dir())) if shards is not None and args.save else None)
             driver = attach(cfg, run.job, MegatronLMHost.host(model, optimizer), micro_batches=get_num_microbatches(),
                             micro_batch_size=args.micro_batch_size, state=state,
                             current_step=lambda: counters[0]()["iteration"],
