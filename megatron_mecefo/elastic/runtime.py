@@ -51,12 +51,12 @@ from megatron_mecefo.elastic.faults.inject import FaultInjector
 from megatron_mecefo.elastic.formation import Formation
 from megatron_mecefo.elastic.give_up import GiveUpCheckpoint
 from megatron_mecefo.elastic.latch import StepLatch
+from megatron_mecefo.elastic.leaving import give_up, retire
 from megatron_mecefo.elastic.membership import Membership, keys
 from megatron_mecefo.elastic.plan.costs import CostMeter
 from megatron_mecefo.elastic.plan.cover_plan import CoverPlan
 from megatron_mecefo.elastic.plan.topology import CoverMap, Grid
-from megatron_mecefo.errors import (RETIRED_EXIT_CODE, GaveUp, IncompleteStep, JobAborted, MeCeFOError, NotAMember,
-                                    ReplicaLost, StoreLost, exit_now)
+from megatron_mecefo.errors import GaveUp, IncompleteStep, MeCeFOError, NotAMember, ReplicaLost, StoreLost
 from megatron_mecefo.log import EventLog, RankPrefix
 
 __all__ = ["ElasticRuntime", "StateHooks", "StepPlan"]
@@ -606,17 +606,10 @@ class ElasticRuntime:
         group, self.group = self.group, None
         groups.destroy_group(group, self.cfg.collective_timeout_s)
 
-    def _retire(self, generation: int, members: list, why: str, **record: Any) -> None:
-        """Leave the job at once, from any thread: the launcher restarts this rank and it rejoins
-        (its replica whole); the others see it exit and go on without it. For a rank left out of
-        a generation (`_excluded`: whatever it waits on may never return) and one whose group
-        abort never returned (groups.AbortHung: it cannot be trusted to build another communicator)."""
-        self.events.write("retired", generation=generation, members=members, **record)
-        exit_now(RETIRED_EXIT_CODE, f"[mecefo] rank {self.rank}: {why}; leaving so the launcher restarts it")
-
     def _excluded(self, generation: int, members: list) -> None:
-        self._retire(generation, members, f"generation {generation} was agreed without this rank (members "
-                     f"{members}): its replica is out of the job")
+        """Left out of a generation (whatever it waits on may never return): retire."""
+        retire(self.events, self.rank, generation, members, f"generation {generation} was agreed without this "
+               f"rank (members {members}): its replica is out of the job")
 
     def _load_state(self, payload: bytes, step: int) -> None:
         user = decode_state(payload, step=step, rank=self.rank)
@@ -632,7 +625,8 @@ class ElasticRuntime:
         try:
             return fn(*args)
         except groups.AbortHung as e:
-            self._retire(self.generation, list(self.members), str(e), reason=str(e))
+            # its group's abort never returned: it cannot be trusted to build another communicator
+            retire(self.events, self.rank, self.generation, self.members, str(e), reason=str(e))
         except GaveUp as e:
             self._give_up(e)
             raise
@@ -645,23 +639,8 @@ class ElasticRuntime:
             raise lost from e
 
     def _give_up(self, error: GaveUp) -> None:
-        """End this rank's part in a job that cannot go on: the first state holder to get here
-        writes a checkpoint of the last committed step (every rank of its replica writes its shard),
-        then every rank learns it from the store."""
-        reason = str(error).splitlines()[0]
-        if not isinstance(error, JobAborted):
-            self.log.error("giving up: %s", reason)
-        ckpt = self._checkpoint.write(self.step, has_state=self._has_state, survivors=getattr(error, "members", None),
-                                      shard_peers=getattr(error, "peers", None), writer=getattr(error, "writer", None))
-        error.checkpoint = ckpt
-        try:
-            self.membership.mark_failed(reason, generation=self.generation, step=self.step)
-        except Exception:
-            pass
-        self.events.write("gave_up", kind=type(error).__name__, reason=reason, generation=self.generation,
-                          step=self.step, members=getattr(error, "members", list(self.members)),
-                          has_state=self._has_state, checkpoint=ckpt)
-        self.membership.watch_exclusion(None)
+        give_up(error, checkpoint=self._checkpoint, membership=self.membership, events=self.events, log=self.log,
+                step=self.step, generation=self.generation, members=self.members, has_state=self._has_state)
         self.close(finished=False)
 
     # -- checkpointable state ---------------------------------------------------------------------
