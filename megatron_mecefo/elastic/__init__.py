@@ -6,8 +6,12 @@ here are the step and its runtime; the sub-packages below them never import thes
 * attach.py     the composition root: a host joins the job and gets its StepDriver
 * step.py       StepDriver: the one training step of every host (plan, covering, reduce, commit, redo)
 * reduction.py  the step's reduction across replicas: flat, sharded, or overlapped in buckets
-* runtime.py    ElasticRuntime: the step protocol (begin, plan, commit, recover)
-* latch.py      StepLatch: the step in progress as the reduction sees it (the error latch, statistics)
+* runtime.py    ElasticRuntime: the step protocol (begin, plan, commit, recover), wiring its parts:
+* current.py      Current: where the rank stands (generation, members, group, step)
+* committing.py   Committer: whether a step commits, alike on every member (confirmation or vote)
+* regrouping.py   Regrouping: installing generations (start, rejoin, admission, after a failure)
+* latch.py        StepLatch: the step in progress as the reduction sees it (the error latch, statistics)
+* marks.py        HostMarks: a host's marks in the job's store, who speaks for a dead lead
 * formation.py  forming a generation: agree, build the groups, re-shard, hand joiners the state
 * give_up.py    the give-up checkpoint: one whole replica writes it, every holder its shards
 * leaving.py    a rank leaves: retire (exit 4, restarted, rejoins) or give up (exit 3, the job ends)

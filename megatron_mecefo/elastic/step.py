@@ -28,12 +28,12 @@ D replicas of T * P ranks each):
    out after `collective_timeout_s`. `Reduction` (reduction.py) latches the error in the runtime
    (`runtime.latch`, latch.py); the step's later collectives are skipped. A rank that is not in a
    failing collective learns it from its heartbeat thread, which watches the step's failure mark
-   (`runtime.step_aborted`, no store call of its own); the launcher marks a crashed rank's
+   (`StepLatch.step_aborted`, no store call of its own); the launcher marks a crashed rank's
    heartbeat at once, and a rank is presumed failed once its counter stalls for
    `heartbeat_timeout_s` (membership/liveness.py). A failed collective inside the replica (T or
    P > 1) raises ReplicaLost (`replica_collectives`): rank 3's replica mates leave the job (exit 4)
    to rejoin together.
-2. No commit. `finish` still calls `runtime.commit()`: a member commits only where the step's
+2. No commit. `finish` still calls `runtime.commit()` (committing.py): a member commits only where the step's
    confirmation all-reduce completed (every member reduced), which a dead rank prevents; a
    sharded optimizer state is voted in the store instead (membership/commit.py). Nobody steps
    the optimizer (replicas stay bit-identical); `finish` zeroes the gradients and returns False.
@@ -42,7 +42,7 @@ D replicas of T * P ranks each):
    the own loop and Megatron-DeepSpeed redo it inside `run` before `train_step` returns.
    A member whose confirmation failed after the others' completed keeps its gradients, and commits
    the step late when the agreement says a member did.
-3. Agreement (`runtime._recover`, membership/agreement.py): the survivors destroy the generation's
+3. Agreement (`Regrouping.recover`, regrouping.py and membership/agreement.py): the survivors destroy the generation's
    group and check in for generation g+1; the first to check in publishes the members. A failure
    during the agreement restarts it, not the job.
 4. Regroup (formation.py, `Formation.form`): a data-parallel group per (tp, pp) position over the store's
@@ -236,7 +236,7 @@ class StepDriver:
 
     def fire(self, phase: str) -> None:
         """An injection point of the step (forward | backward | optimizer)."""
-        self.runtime.fire(phase)
+        self.runtime.latch.fire(phase)
 
     @contextlib.contextmanager
     def forward(self, mb: MicroBatch, module: Optional[torch.nn.Module] = None) -> Iterator[None]:
@@ -251,7 +251,7 @@ class StepDriver:
         if isinstance(output, (tuple, list)):
             output = next((t for t in output if isinstance(t, torch.Tensor) and t.requires_grad), None)
         if isinstance(output, torch.Tensor) and output.requires_grad:
-            fire = self.runtime.fire
+            fire = self.runtime.latch.fire
             output.register_hook(lambda grad: fire("backward"))
 
     def replica_collectives(self):

@@ -196,7 +196,7 @@ class Record:
         """The last entry emitted at this rank's (tp, pp) position: each position of a replica prints
         its own lines (a pipeline's last stage the losses, its first stage the memory report), so
         each keeps its own mark."""
-        mark = self.run.driver.runtime.read_mark(_MARK)
+        mark = self.run.driver.runtime.marks.read(_MARK)
         return tuple(json.loads(mark)) if mark is not None else (-1, -1)
 
     def _emit(self, after: Tuple[int, int]) -> None:
@@ -213,7 +213,7 @@ class Record:
             last = key
         if last is not None:
             sys.stdout.flush()
-            self.run.driver.runtime.write_mark(_MARK, json.dumps(list(last)))
+            self.run.driver.runtime.marks.write(_MARK, json.dumps(list(last)))
 
     def finish(self, timeout_s: float) -> None:
         """At the end of training: if the lead died with entries this replica holds unprinted, the
@@ -224,7 +224,7 @@ class Record:
         while True:
             if self._mark() >= self.pending[-1][0]:
                 return  # the lead printed everything
-            if self.run.driver.runtime.leads_among_whole():
+            if self.run.driver.runtime.marks.leads_among_whole():
                 self._emit(after=self._mark())
                 return
             if time.monotonic() > deadline:

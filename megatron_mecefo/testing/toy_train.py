@@ -172,9 +172,9 @@ def main():
             skip = args.skip_micro_batch == f"{rank}:{step}"
             for mb in plan.micro_batches[:-1] if skip else plan.micro_batches:
                 ids = sample_range(step, mb.replica, mb.index, micro_batch_size=args.mb, dp=world, k=args.k)
-                rt.fire("forward")
+                rt.latch.fire("forward")
                 loss = micro_batch_loss(model, ids)
-                rt.fire("backward")
+                rt.latch.fire("backward")
                 loss.backward()
                 time.sleep(args.step_sleep)
                 loss_sum += loss.item()
@@ -182,7 +182,7 @@ def main():
             total_loss, total_samples = reduction.reduce(model.parameters(), stats=[loss_sum, samples],
                                                          micro_batches=len(plan.micro_batches) - skip)
             if rt.commit(loss=total_loss / plan.divisor, samples=int(total_samples), param_sha256=digest):
-                rt.fire("optimizer")
+                rt.latch.fire("optimizer")
                 opt.step()
                 step += 1
                 rt.after_optimizer_step()  # a peer died after the commit (the parameter gather): regroup now

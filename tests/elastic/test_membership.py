@@ -96,9 +96,9 @@ def test_every_replica_broken_gives_up_for_no_cover(store):
 def test_a_restarted_replica_is_admitted_only_when_all_its_ranks_wait(store):
     m = member(store, 0, whole=Grid(tp=2, dp=2).whole)
     announce(store, 2)
-    assert m.pending_joiners([0, 1], 4) == []
+    assert m.joins.pending([0, 1]) == []
     announce(store, 3)
-    assert m.pending_joiners([0, 1], 4) == [2, 3]
+    assert m.joins.pending([0, 1]) == [2, 3]
 
 
 def test_replica_rounds_skip_stale_and_dead_slots(store):
@@ -439,7 +439,7 @@ def test_a_joiner_arriving_while_16_members_agree_is_left_for_the_next_step_boun
         deadline = time.monotonic() + 10
         while store.get(keys.join(dead)) != b"waiting" and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert members[0].pending_joiners(survivors, n) == [dead]
+        assert members[0].joins.pending(survivors) == [dead]
         assert not store.get(keys.joinee(dead)), "admitted outside a step boundary"
         print(f"agreed in {took:.2f} s")
         store.set(keys.joinee(dead), "3")  # what the commit that admits it writes

@@ -8,8 +8,9 @@ import types
 import pytest
 import torch
 
+from megatron_mecefo.elastic.current import Current
+from megatron_mecefo.elastic.marks import HostMarks
 from megatron_mecefo.elastic.plan.topology import CoverMap, Grid
-from megatron_mecefo.elastic.runtime import ElasticRuntime
 from megatron_mecefo.integrations.record import Record
 
 pytestmark = pytest.mark.unit
@@ -37,11 +38,10 @@ class FakeWriter:
 def make(replica, lead, alive=(0, 1, 2), grid=None, store=None, rank=None):
     store, writer = FakeStore() if store is None else store, FakeWriter()
     grid = grid or Grid(dp=3)
-    rt = types.SimpleNamespace(store=store, rank=replica if rank is None else rank, grid=grid,
-                               cover_map=lambda: CoverMap(grid=grid, live=(0, 1, 2), cover={}),
-                               membership=types.SimpleNamespace(alive=lambda ranks: [r for r in ranks if r in alive]))
-    for name in ("leads_among_whole", "read_mark", "write_mark", "_mark_key"):  # the runtime's own answers
-        setattr(rt, name, types.MethodType(getattr(ElasticRuntime, name), rt))
+    now = Current(rank=replica if rank is None else rank, grid=grid, k=1,
+                  cover=CoverMap(grid=grid, live=(0, 1, 2), cover={}))
+    membership = types.SimpleNamespace(alive=lambda ranks: [r for r in ranks if r in alive])
+    rt = types.SimpleNamespace(marks=HostMarks(store, now, membership))  # the runtime's own answers
     driver = types.SimpleNamespace(runtime=rt, committed=0)
     run = types.SimpleNamespace(active=True, driver=driver, lead=lambda: lead[0])
     training = types.SimpleNamespace(get_tensorboard_writer=lambda: None, get_wandb_writer=lambda: None)

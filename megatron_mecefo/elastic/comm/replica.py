@@ -19,6 +19,7 @@ mate moves it on. Waits end early when the job has finished or failed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -27,9 +28,10 @@ from typing import Callable, List, Optional
 
 import torch.distributed as dist
 
-from megatron_mecefo.errors import RETIRED_EXIT_CODE, JobAborted, JobFinished, JoinTimeout, exit_now
+from megatron_mecefo.errors import (RETIRED_EXIT_CODE, JobAborted, JobFinished, JoinTimeout, MeCeFOError, ReplicaLost,
+                                   exit_now)
 
-__all__ = ["replica_round", "watch_replica", "mark_started"]
+__all__ = ["replica_round", "watch_replica", "mark_started", "replica_collectives"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,3 +136,19 @@ def watch_replica(connect: Callable[[], dist.Store], owners: List[str], rank: in
                 exit_now(0, f"[mecefo] rank {rank}: the job ended before this replica joined it")
 
     threading.Thread(target=run, name=f"mecefo-replica-watch-{rank}", daemon=True).start()
+
+
+@contextlib.contextmanager
+def replica_collectives(tp_pp: int, rank: int, step: int, events):
+    """Collectives inside this rank's replica (tensor/pipeline parallel) run in the block: one that
+    fails means a rank of the replica crashed or hangs, and the replica leaves the job (ReplicaLost;
+    it rejoins once its ranks are restarted). A no-op with `tp_pp` (T x P) = 1."""
+    try:
+        yield
+    except RuntimeError as e:
+        if tp_pp == 1 or isinstance(e, MeCeFOError):
+            raise
+        first = str(e).splitlines()[0][-200:] if str(e) else type(e).__name__
+        events.write("replica_lost", step=step, error=first)
+        raise ReplicaLost(f"[rank {rank} step {step}] a collective of this rank's replica failed ({first}): "
+                          "the replica leaves the job and rejoins when its ranks are restarted") from e

@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import torch.distributed as dist
 
 from megatron_mecefo.elastic.membership import keys
-from megatron_mecefo.elastic.membership.admission import Joins, OrphanWatch, latest_agreement
+from megatron_mecefo.elastic.membership.admission import Joins, OrphanWatch
 from megatron_mecefo.elastic.membership.agreement import Agreement, agree
 from megatron_mecefo.elastic.membership.commit import Decision, abort_step, decide, formed, not_formed
 from megatron_mecefo.elastic.membership.liveness import Heartbeat, Liveness, StallReport
@@ -164,14 +164,6 @@ class Membership:
                      interval_s=self.hb_interval, whole=self.whole, check_job=self.check_job,
                      asking_to_join=self.joins.asking, info=info, summarize=summarize, reduced=reduced)
 
-    def members_of(self, generation: int) -> List[int]:
-        """The agreed members of an earlier generation."""
-        return keys.read_agreement(self.store.get(keys.agreed(generation)))["members"]
-
-    def latest_agreement(self, since: int = 0) -> tuple:
-        """(generation, agreement dict) of the newest published agreement at or after generation `since`."""
-        return latest_agreement(self.store, since)
-
     # -- commit -------------------------------------------------------------------------------------
 
     def decide(self, generation: int, step: int, members: Sequence[int], ok: bool, world: int) -> Decision:
@@ -184,10 +176,6 @@ class Membership:
         return decide(self.store, self.heartbeat, generation, step, members, ok, timeout_s=self.agree_timeout,
                       hb_timeout_s=self.hb_timeout, check_job=self.check_job,
                       joiners=lambda members: self.joins.pending(members, generation))
-
-    def pending_joiners(self, members: Sequence[int], world: int) -> List[int]:
-        """Restarted ranks that asked to join and are not members, by whole replicas."""
-        return self.joins.pending(members)
 
     def abort_step(self, generation: int, step: int) -> None:
         """Decide abort for (generation, step) unless decided, and mark the generation not formed

@@ -216,7 +216,7 @@ class Heartbeat:
                 store = None
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since > self.timeout_s:
-                    # the training thread learns it at its next commit (ElasticRuntime._confirm)
+                    # the training thread learns it at its next commit (committing.Committer's confirmation)
                     self.lost_since = time.time() - self.timeout_s
                     return
             if self._stop.wait(self.interval_s):
