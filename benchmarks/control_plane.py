@@ -5,7 +5,7 @@ separate process (as the launcher or `mecefo-store` serves a job's). Every store
 training thread is counted; its heartbeat thread's calls are counted apart. For each N, the code of
 this tree ("new") and of an earlier commit ("baseline", read from git) run side by side:
 
-  healthy     every member votes ok for one step (Membership.decide: the baseline's commit, and
+  healthy     every member votes ok for one step (Membership.votes.decide: the baseline's commit, and
               this tree's with a sharded optimizer state): calls per step, in total and on the
               busiest member, and the time until every member has the decision
   healthy_replicated  this tree's healthy step with a replicated optimizer state (no vote: the
@@ -219,8 +219,17 @@ def _mark_progress(m, s):
     m.store.set(keys.PROGRESS, str(s + 1))
 
 
+def _votes(m):
+    """The step votes: a handle of this tree's Membership, methods of the baseline's."""
+    return getattr(m, "votes", m)
+
+
+def _generations(m):
+    return getattr(m, "generations", m)
+
+
 def _decide_ok(m, s, n):
-    m.decide(0, s, list(range(n)), True, n)
+    _votes(m).decide(0, s, list(range(n)), True, n)
 
 
 def _mark_exited(m, rank):
@@ -228,25 +237,25 @@ def _mark_exited(m, rank):
 
 
 def _vote_abort(m, n):
-    assert not m.decide(0, 7, list(range(n)), False, n).commit
+    assert not _votes(m).decide(0, 7, list(range(n)), False, n).commit
 
 
 def _agree_without(m, n, dead):
-    agreed = m.agree(1, list(range(n)), 7)
+    agreed = _generations(m).agree(1, list(range(n)), 7)
     assert dead not in agreed.members and len(agreed.members) == n - 1
 
 
 def _join(m, n):
-    m.agree(m.request_join(time.monotonic() + 300), list(range(n)), None)
+    _generations(m).agree(m.request_join(time.monotonic() + 300), list(range(n)), None)
 
 
 def _train_until_admitted(m, n):
     members, s = list(range(n - 1)), 0
     while True:
-        d = m.decide(0, s, members, True, n)
+        d = _votes(m).decide(0, s, members, True, n)
         s += 1
         if d.joiners:
-            m.agree(d.next_generation, list(range(n)), s)
+            _generations(m).agree(d.next_generation, list(range(n)), s)
             return
 
 
@@ -271,7 +280,7 @@ def healthy_replicated(impl, port, n, steps, workers=()):
 
 
 def healthy(impl, port, n, steps, workers=()):
-    """A healthy step's vote (Membership.decide): the baseline's commit, and this tree's with a
+    """A healthy step's vote (Membership.votes.decide): the baseline's commit, and this tree's with a
     sharded optimizer state."""
     job = Job(impl, port, n, f"healthy{n}{impl.__name__}", workers)
     job.calls()  # the members' start

@@ -284,11 +284,11 @@ def main(argv=None):
     else:
         import deepspeed
 
-        from megatron_mecefo.deepspeed_hook.initialize import skip_cpu_shm_build
+        from megatron_mecefo.deepspeed_hook.initialize import cpu_shm_build_skipped
         from megatron_mecefo.elastic.comm.groups import default_backend
 
-        skip_cpu_shm_build()
-        deepspeed.init_distributed(default_backend())
+        with cpu_shm_build_skipped():
+            deepspeed.init_distributed(default_backend())
     prefix = args.data_path or stdlib_corpus()
     gbs, k = ds_config["train_batch_size"], ds_config["gradient_accumulation_steps"]
     train, valid = build_gpt_datasets(prefix, seq_length=args.seq_length, split=args.split, seed=args.seed,

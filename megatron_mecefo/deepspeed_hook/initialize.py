@@ -3,6 +3,7 @@ DeepSpeed's `setup_model_and_optimizer`): both end in the composition root (elas
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Dict, Optional
 
@@ -23,15 +24,26 @@ from megatron_mecefo.elastic.runtime import StateHooks
 from megatron_mecefo.elastic.sharding.zero import ShardedOptimizer, innermost_optimizer
 from megatron_mecefo.elastic.step import training_state
 
-__all__ = ["initialize", "wrap_engine", "skip_cpu_shm_build"]
+__all__ = ["initialize", "wrap_engine", "cpu_shm_build_skipped"]
 
 
-def skip_cpu_shm_build() -> None:
+@contextlib.contextmanager
+def cpu_shm_build_skipped():
     """DeepSpeed's CPU accelerator JIT-builds a shared-memory communication op (about 35 s) that
-    MeCeFO's gloo groups never use."""
+    MeCeFO's gloo groups never use: off while the block runs (`deepspeed.init_distributed`, which
+    `deepspeed.initialize` calls, builds it), DeepSpeed's table as it was after."""
     import deepspeed
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    ops = deepspeed.ops.__compatible_ops__
+    had, before = "deepspeed_shm_comm" in ops, ops.get("deepspeed_shm_comm")
+    ops["deepspeed_shm_comm"] = False
+    try:
+        yield
+    finally:
+        if had:
+            ops["deepspeed_shm_comm"] = before
+        else:
+            ops.pop("deepspeed_shm_comm", None)
 
 
 def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mecefo: Optional[MeCeFOConfig] = None,
@@ -89,12 +101,12 @@ def initialize(*, model: torch.nn.Module, config: Dict[str, Any], args=None, mec
             from megatron_mecefo.deepspeed_hook.mpu import MegatronMPU
 
             mpu = MegatronMPU()
-    skip_cpu_shm_build()
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, config=ds_config, mpu=mpu,
-        model_parameters=model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad],
-        **kwargs,
-    )
+    with cpu_shm_build_skipped():
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, config=ds_config, mpu=mpu,
+            model_parameters=model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad],
+            **kwargs,
+        )
     restrict_checkpoint_loading(engine)
 
     def load():

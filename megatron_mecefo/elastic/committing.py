@@ -6,7 +6,7 @@ confirmation failed while the others' completed still holds the step's reduced g
 agreement that follows (regrouping.py) says whether a member committed the step (then it commits
 it too, with its own bit-identical gradients) or none did (then the step is redone). With a sharded
 optimizer state every shard steps or none does: the members vote in the store (`_voted_commit`,
-membership.decide). A committed step leaves its marks: the progress trace-restarted ranks read,
+membership.votes.decide). A committed step leaves its marks: the progress trace-restarted ranks read,
 the step record, and the joiners its commit admits (formed at the next step boundary).
 """
 
@@ -60,7 +60,7 @@ class Committer:
     def step_aborted(self) -> bool:
         """A member declared this step failed (polled while waiting on a collective; no store call:
         the heartbeat thread watches the step's decision, membership.watch_step)."""
-        return self._membership.step_aborted(self.now.generation, self.now.step)
+        return self._membership.votes.aborted(self.now.generation, self.now.step)
 
     def commit(self, record: Dict[str, Any]) -> bool:
         now = self.now
@@ -84,7 +84,7 @@ class Committer:
             self._log.warning("step %d reduced here but not confirmed by every member; holding its gradients "
                               "until the survivors agree", step)
         # peers still waiting in this step's collectives stop (their heartbeat thread sees the mark)
-        self._membership.abort_step(now.generation, step)
+        self._membership.votes.abort(now.generation, step)
         if self._regrouping.recover(reduced=ok):  # the others committed it: take the same step with these gradients
             self._committed(step, {**ran, **record}, admit=False)
             return True
@@ -186,7 +186,7 @@ class Committer:
         now = self.now
         step = now.step
         try:
-            decision = self._membership.decide(now.generation, step, now.members, ok, self._world)
+            decision = self._membership.votes.decide(now.generation, step, now.members, ok, self._world)
         except STORE_ERRORS as e:
             if not ok:  # this rank's reduction failed as well: no collective left to agree in
                 raise

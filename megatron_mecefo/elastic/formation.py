@@ -1,12 +1,12 @@
 """Forming a generation: step 4 of the failure path (step.py), and a restarted rank's way back in.
 
-`Formation.form(g, candidates, step)` agrees on the members (membership.agree), builds this rank's
+`Formation.form(g, candidates, step)` agrees on the members (membership.generations.agree), builds this rank's
 data-parallel group (one per (tp, pp) position, groups.py), re-shards a sharded optimizer state
 over the members (zero.py), hands any joiners the training state (transfer.py), and computes the
 cover map (topology.ring_cover) and the plan (cover_plan.py: the fold, from the micro-batch costs
 the members posted with their check-in, costs.py). A generation is usable only once every
 member's group is built and every joiner holds the state: one outcome for all members
-(`Membership.formed`). If either fails (a member died after the agreement, the donor died
+(`Membership.generations.formed`). If either fails (a member died after the agreement, the donor died
 mid-transfer), nobody trains in it and the same candidates agree on the next generation; joiners
 still without state are joiners again there. It returns what the runtime installs (`Generation`).
 """
@@ -90,14 +90,14 @@ class Formation:
 
         Args:
             step: the step whose state this rank holds; None: it holds none (a joiner).
-            reduced: it also holds that step's reduced gradients (membership.agree).
+            reduced: it also holds that step's reduced gradients (membership.generations.agree).
 
         Raises:
             GaveUp: no cover for a failed replica (NoCoverAvailable, with `members`), a shard of
                 the optimizer state lost, or the job aborted.
         """
         while True:
-            agreed = self.membership.agree(generation, candidates, step, info=self.costs.info(), summarize=summarize_costs,
+            agreed = self.membership.generations.agree(generation, candidates, step, info=self.costs.info(), summarize=summarize_costs,
                                            reduced=reduced)
             if generation > 0:
                 self.injector.maybe_fire(agreed.step, "recovery")
@@ -107,7 +107,7 @@ class Formation:
             peers = [r for r in agreed.members if self.grid.position(r) == self.position]
             # a member that saw this generation fail says so (abort_step): the others stop waiting on
             # it at once, not after the collective timeout, and check in for the next one in time
-            failed = lambda g=generation: self.membership.not_formed(g)  # noqa: E731
+            failed = lambda g=generation: self.membership.generations.not_formed(g)  # noqa: E731
             try:
                 group = groups.build_dp_group(self.store, generation, peers, self.rank, self._timeout, self.backend,
                                               tag="t{}p{}".format(*self.position), should_abort=failed)
@@ -119,7 +119,7 @@ class Formation:
                                                     should_abort=failed)
                 if agreed.joiners:
                     payload = self._transfer_state(group, agreed, peers, step, failed)
-                if not self.membership.formed(generation, agreed.members):
+                if not self.membership.generations.formed(generation, agreed.members):
                     raise MeCeFOError("another member's group or state transfer failed")
             except (GaveUp, JobFinished):  # JobAborted, or a shard of the optimizer state lost
                 groups.destroy_group(group, self.cfg.collective_timeout_s)
@@ -128,7 +128,7 @@ class Formation:
                 raise
             except Exception as e:  # a member died after the agreement or during the transfer
                 groups.destroy_group(group, self.cfg.collective_timeout_s)
-                self.membership.abort_step(generation, agreed.step)
+                self.membership.votes.abort(generation, agreed.step)
                 self.log.warning("generation %d could not form (%s); agreeing again", generation,
                                  str(e).splitlines()[0][:120])
                 self.events.write("regroup_failed", generation=generation, step=agreed.step, members=list(agreed.members),

@@ -254,7 +254,7 @@ class ElasticRuntime:
         self.latch.reset()
         self.now.issued = ()
         self._committer.begin(time.monotonic())
-        self.membership.watch_step(self.now.generation, self.now.step)
+        self.membership.votes.watch(self.now.generation, self.now.step)
         self._costs.begin()
 
     def plan(self) -> StepPlan:
@@ -289,7 +289,7 @@ class ElasticRuntime:
         self.latch.report_error(error)
         self.events.write("gather_failed", step=self.now.step, error=str(error).splitlines()[0][:200])
         self.now.step += 1
-        self.membership.abort_step(self.now.generation, self.now.step)  # a member already in the next step stops
+        self.membership.votes.abort(self.now.generation, self.now.step)  # a member already in the next step stops
         self._guarded(self._regrouping.recover)
 
     def cover_map(self) -> CoverMap:

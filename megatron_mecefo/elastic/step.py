@@ -220,7 +220,7 @@ class StepDriver:
                 buckets.arm()
             else:  # an earlier one (also of a pass redone after a failure in the last backward)
                 buckets.disarm()
-        self.fire("backward")
+        self._fire("backward")
 
     def micro_batch_done(self, loss: float) -> Optional[Tuple[float, int]]:
         """`micro_batch` ran with this loss. At the pass's last: (the pass's summed loss, micro-batches
@@ -228,21 +228,21 @@ class StepDriver:
         self._ran, self._loss_sum = self._ran + 1, self._loss_sum + loss
         return (self._loss_sum, self._ran) if self._ran == len(self.plan.micro_batches) else None
 
-    def policy(self, mb: MicroBatch) -> Optional[CoverPolicy]:
+    def _policy(self, mb: MicroBatch) -> Optional[CoverPolicy]:
         """The covering policy of micro-batch `mb` (None: the exact backward)."""
         if not (mb.covering and self.cfg.enable):
             return None
         return micro_batch_policy(self.cfg.cover_policy(self.runtime.step, live_microbatches=self._live_microbatches), mb)
 
-    def fire(self, phase: str) -> None:
+    def _fire(self, phase: str) -> None:
         """An injection point of the step (forward | backward | optimizer)."""
         self.runtime.latch.fire(phase)
 
     @contextlib.contextmanager
     def forward(self, mb: MicroBatch, module: Optional[torch.nn.Module] = None) -> Iterator[None]:
         """Run micro-batch `mb`'s forward in the block: in covering mode where the plan says so."""
-        self.fire("forward")
-        with covering(module if module is not None else self.host.module, self.policy(mb)):
+        self._fire("forward")
+        with covering(module if module is not None else self.host.module, self._policy(mb)):
             yield
 
     def backward_point(self, output: Any) -> None:
@@ -293,7 +293,7 @@ class StepDriver:
             if n and not self._observed:  # once: which weights follow their gradient
                 self._observed = True
                 self.runtime.events.write("gradient_basis", step=plan.step, weights=n)
-        self.fire("optimizer")
+        self._fire("optimizer")
         if self.host.before_optimizer is not None:
             with self.runtime.replica_collectives(plan.step):
                 self.host.before_optimizer()

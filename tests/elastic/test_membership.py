@@ -38,7 +38,7 @@ def agree_all(store, generation, steps, whole=None, candidates=None, agree_timeo
     def run(r):
         try:
             m = member(store, r, whole=whole, agree_timeout_s=agree_timeout_s)
-            out[r] = m.agree(generation, sorted(candidates or steps), steps[r])
+            out[r] = m.generations.agree(generation, sorted(candidates or steps), steps[r])
         except Exception as e:  # noqa: BLE001 - the test inspects it
             out[r] = e
 
@@ -62,7 +62,7 @@ def test_what_the_members_post_is_published_with_the_agreement(store):
     out = {}
 
     def run(r):
-        out[r] = member(store, r).agree(4, [0, 1, 2, 3], 9, info=None if r == 2 else f"costs of {r}")
+        out[r] = member(store, r).generations.agree(4, [0, 1, 2, 3], 9, info=None if r == 2 else f"costs of {r}")
 
     keys.mark_exited(store, 3)  # rank 3 posted, then crashed before the agreement
     store.set("gen4/info/3", "costs of 3")
@@ -180,13 +180,13 @@ def test_a_missing_commit_decision_becomes_an_abort(store):
     threading.Thread(target=beat, daemon=True).start()
     t0 = time.monotonic()
     try:
-        decision = m.decide(4, 9, [0, 1], ok=True, world=2)
+        decision = m.votes.decide(4, 9, [0, 1], ok=True, world=2)
     finally:
         stop.set()
     assert not decision.commit and 1.0 <= time.monotonic() - t0 < 3
     # a commit that got there first stands
     store.set("gen4/step10/decision", json.dumps({"commit": True, "joiners": []}))
-    assert m.decide(4, 10, [0, 1], ok=True, world=2).commit
+    assert m.votes.decide(4, 10, [0, 1], ok=True, world=2).commit
 
 
 def _beating(store, rank):
@@ -229,7 +229,7 @@ def test_a_joiner_named_for_the_generation_is_waited_for(store):
     def late_check_in():
         time.sleep(1.0)
         store.set("join/2", "admitted")
-        return member(store, 2).agree(3, [0, 1, 2], None)
+        return member(store, 2).generations.agree(3, [0, 1, 2], None)
 
     late = {}
     t = threading.Thread(target=lambda: late.update(p=late_check_in()))
@@ -319,7 +319,7 @@ def test_an_agreement_costs_each_member_four_store_calls(store):
     counts = collections.Counter()
     members = _counted_members(store, 16, counts, beating=range(16))
     try:
-        out = _in_threads(members, lambda m: m.agree(1, list(range(16)), 7))
+        out = _in_threads(members, lambda m: m.generations.agree(1, list(range(16)), 7))
     finally:
         for m in members:
             m.stop()
@@ -340,7 +340,7 @@ def test_a_publisher_that_hangs_is_replaced(store):
     store.set("gen1/publisher", "0")
     t0 = time.monotonic()
     try:
-        out = _in_threads(members[1:], lambda m: m.agree(1, list(range(16)), 7))
+        out = _in_threads(members[1:], lambda m: m.generations.agree(1, list(range(16)), 7))
     finally:
         for m in members:
             m.stop()
@@ -356,13 +356,13 @@ def test_the_vote_of_a_sharded_step_costs_each_member_three_calls_and_a_dead_wat
     counts = collections.Counter()
     members = _counted_members(store, 16, counts, beating=range(16))
     try:
-        out = _in_threads(members, lambda m: m.decide(0, 3, list(range(16)), True, 16))
+        out = _in_threads(members, lambda m: m.votes.decide(0, 3, list(range(16)), True, 16))
         assert all(d.commit for d in out.values()), out
         # the vote, the wait, the decision; the last voter: + the joiners, the decision, the pokes
         assert sorted(counts.values())[:-1] == [3] * 15 and max(counts.values()) <= 6, counts
         members[0].stop()  # rank 0 hangs
         t0 = time.monotonic()
-        out = _in_threads(members[1:], lambda m: m.decide(0, 4, list(range(16)), True, 16))
+        out = _in_threads(members[1:], lambda m: m.votes.decide(0, 4, list(range(16)), True, 16))
     finally:
         for m in members:
             m.stop()
@@ -397,7 +397,7 @@ def test_a_store_that_pauses_for_less_than_the_heartbeat_timeout_declares_nobody
         time.sleep(0.6)
         os.kill(daemon.pid, signal.SIGCONT)
         assert members[0].alive(range(4)) == [0, 1, 2, 3]
-        out = _in_threads(members, lambda m: m.agree(1, [0, 1, 2, 3], 3))
+        out = _in_threads(members, lambda m: m.generations.agree(1, [0, 1, 2, 3], 3))
         assert {p.members for p in out.values()} == {(0, 1, 2, 3)}, out
         for m in members:
             m.stop()
@@ -432,7 +432,7 @@ def test_a_joiner_arriving_while_16_members_agree_is_left_for_the_next_step_boun
     t.start()
     t0 = time.monotonic()
     try:
-        out = _in_threads([members[r] for r in survivors], lambda m: m.agree(2, list(range(n)), 7))
+        out = _in_threads([members[r] for r in survivors], lambda m: m.generations.agree(2, list(range(n)), 7))
         took = time.monotonic() - t0
         assert {getattr(p, "members", p) for p in out.values()} == {tuple(survivors)}, out
         assert took < 10, f"the agreement waited {took:.1f} s for the joiner (agree_timeout_s is 20 s)"
@@ -476,7 +476,7 @@ def test_a_rank_the_watcher_saw_stalled_is_not_watched_again_by_the_publisher(st
         assert list(report) == ["3"] and report["3"][1] >= 3.0, report
         assert int(report["3"][0]) == int(store.add(keys.hb(3), 0))
         t0 = time.monotonic()
-        out = _in_threads(members[:3], lambda m: m.agree(1, [0, 1, 2, 3], 7))
+        out = _in_threads(members[:3], lambda m: m.generations.agree(1, [0, 1, 2, 3], 7))
         took = time.monotonic() - t0
     finally:
         for m in members:

@@ -1,9 +1,9 @@
 """Upstream's grad-buffer layout as the reader of "dp_reshardable" checkpoints reproduces it
-(dist_checkpoint.bucket_offsets; the integration tests read real checkpoints with one bucket)."""
+(bucket_layout.bucket_offsets; the integration tests read real checkpoints with one bucket)."""
 
 import torch
 
-from megatron_mecefo.integrations.megatron_lm.dist_checkpoint import bucket_offsets
+from megatron_mecefo.integrations.megatron_lm.bucket_layout import bucket_offsets
 
 
 def test_reverse_order_64_aligned_starts_and_buckets():

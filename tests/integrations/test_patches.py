@@ -31,6 +31,29 @@ def test_a_table_is_applied_for_the_block_and_undone_after_it_even_on_an_error(m
     assert upstream.step is original_step and upstream.log is original_log
 
 
+def test_the_own_loop_turns_deepspeeds_shm_op_off_only_around_its_initialize():
+    """`deepspeed_hook.initialize` runs DeepSpeed's initialize with the shm op off; another engine
+    built in the same process afterwards finds DeepSpeed's table as it was."""
+    import deepspeed
+
+    from megatron_mecefo.deepspeed_hook.initialize import cpu_shm_build_skipped
+
+    ops = deepspeed.ops.__compatible_ops__
+    before = dict(ops)
+    with pytest.raises(RuntimeError), cpu_shm_build_skipped():
+        assert ops["deepspeed_shm_comm"] is False
+        raise RuntimeError("an initialize that fails")
+    assert dict(ops) == before
+    ops["deepspeed_shm_comm"] = "sentinel"
+    try:
+        with cpu_shm_build_skipped():
+            assert ops["deepspeed_shm_comm"] is False
+        assert ops["deepspeed_shm_comm"] == "sentinel"
+    finally:
+        ops.clear()
+        ops.update(before)
+
+
 # In a process with the host's upstream importable: every "run" row names a global that exists, is
 # replaced inside `patched` and is upstream's own again after it; prints the table as markdown.
 _CHECK = """

@@ -17,7 +17,7 @@ from megatron_mecefo.config import LaunchEnv
 from megatron_mecefo.elastic.comm import nccl_env
 from megatron_mecefo.elastic.comm import store as job_store
 from megatron_mecefo.elastic.comm.replica import replica_round, watch_replica
-from megatron_mecefo.elastic.membership import Membership, OrphanWatch
+from megatron_mecefo.elastic.membership import Membership
 from megatron_mecefo.elastic.plan.topology import Grid
 from megatron_mecefo.errors import GaveUp
 from megatron_mecefo.log import EventLog

@@ -15,20 +15,22 @@ control plane"; measured by benchmarks/control_plane.py):
                 step), the orphan check
 
 `Membership` is one rank's handle on these parts, holding what they share (the store, the rank,
-the timeouts, the liveness view).
+the timeouts, the liveness view): liveness and the job's outcome itself, the generations
+(`.generations`, agreement.py), the per-step vote (`.votes`, commit.py) and the joins (`.joins`,
+admission.py).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch.distributed as dist
 
 from megatron_mecefo.elastic.membership import keys
 from megatron_mecefo.elastic.membership.admission import Joins, OrphanWatch
-from megatron_mecefo.elastic.membership.agreement import Agreement, agree
-from megatron_mecefo.elastic.membership.commit import Decision, abort_step, decide, formed, not_formed
+from megatron_mecefo.elastic.membership.agreement import Agreement, Generations
+from megatron_mecefo.elastic.membership.commit import Decision, StepVotes
 from megatron_mecefo.elastic.membership.liveness import Heartbeat, Liveness, StallReport
 from megatron_mecefo.errors import JobAborted, JobFinished
 
@@ -60,6 +62,13 @@ class Membership:
         self.joins = Joins(store, rank, self.whole, self.liveness)
         self.heartbeat = Heartbeat(store, connect, rank, interval_s=heartbeat_interval_s,
                                    timeout_s=heartbeat_timeout_s, on_beat=self._on_beat)
+        self.generations = Generations(store, self.liveness, self.heartbeat, timeout_s=agree_timeout_s,
+                                       interval_s=heartbeat_interval_s, hb_timeout_s=heartbeat_timeout_s,
+                                       whole=self.whole, check_job=self.check_job, asking=self.joins.asking)
+        """Agreeing on a generation's members, and whether it formed (agreement.py)."""
+        self.votes = StepVotes(store, self.heartbeat, timeout_s=agree_timeout_s, hb_timeout_s=heartbeat_timeout_s,
+                               check_job=self.check_job, joiners=self.joins.pending)
+        """The per-step vote and the step's failure mark (commit.py)."""
         self._stall_report: Optional[StallReport] = None
         self._watch: Optional[int] = None
         self._on_excluded: Optional[Callable[[int, list], None]] = None
@@ -87,15 +96,6 @@ class Membership:
         report = self._stall_report
         if report is not None:
             report(store)
-
-    def watch_step(self, generation: int, step: int) -> None:
-        """The heartbeat thread watches this step's decision from now on (`step_aborted`)."""
-        self.heartbeat.watch_abort(keys.decision(generation, step))
-
-    def step_aborted(self, generation: int, step: int) -> bool:
-        """Whether a member declared the step failed, as the heartbeat thread last saw it (no store
-        call: polled while waiting on a collective)."""
-        return self.heartbeat.aborted(keys.decision(generation, step))
 
     def watch_exclusion(self, generation: Optional[int], on_excluded: Optional[Callable[[int, list], None]] = None) -> None:
         """From the heartbeat thread, call `on_excluded(generation, members)` once a generation after
@@ -129,70 +129,6 @@ class Membership:
     def mark_failed(self, reason: str, **fields) -> None:
         """Tell every rank (and the launcher) that the job gave up; the first reason stays."""
         self.store.compare_set(keys.JOB_FAILED, "", keys.failure(reason, self.rank, **fields))
-
-    # -- agreement ----------------------------------------------------------------------------------
-
-    def agree(self, generation: int, candidates: Sequence[int], step: Optional[int], info: Optional[str] = None,
-              summarize: Optional[Callable[[Dict[int, str]], str]] = None, reduced: bool = False) -> Agreement:
-        """Agree with the other live candidates on the members of `generation` (agreement.py).
-
-        Call on every survivor (and admitted joiner) with the same `candidates`. `step` is the step
-        this rank holds the training state of, or None for a rank without state (a restarted or
-        late rank). The agreement names the members holding the state of the newest step (one of them
-        sends it) and the joiners, who must receive it before the generation trains: a rank without
-        state never trains or votes. `info` (a string, e.g. this rank's measured costs) is posted
-        with the check-in; the agreement carries the members' posts, or `summarize(posts)` of the
-        publisher (one string for any N), so every member reads the same. `reduced`: this rank
-        also holds the reduced gradients of step `step` (its commit was not confirmed); if a member
-        committed that step, the agreement names it `rolled`: it commits the step too.
-
-        Returns:
-            The agreed Agreement; its members contain this rank.
-
-        Candidates that have not checked in by agree_timeout_s are left out (a late starter then
-        rejoins like a restarted rank); the publisher then publishes at once.
-
-        Raises:
-            AgreementTimeout: still no agreement 2 x heartbeat_timeout_s after agree_timeout_s (every rank
-                that could publish it died meanwhile).
-            StateLost: every live candidate is without state and no other can bring it.
-            NoCoverAvailable: every replica lost a rank.
-            JobAborted: another rank gave up meanwhile.
-            NotAMember: the agreed list leaves this rank out (it was presumed failed).
-        """
-        return agree(self.store, self.liveness, self.heartbeat, generation, candidates, step, timeout_s=self.agree_timeout,
-                     interval_s=self.hb_interval, whole=self.whole, check_job=self.check_job,
-                     asking_to_join=self.joins.asking, info=info, summarize=summarize, reduced=reduced)
-
-    # -- commit -------------------------------------------------------------------------------------
-
-    def decide(self, generation: int, step: int, members: Sequence[int], ok: bool, world: int) -> Decision:
-        """Vote ok/abort for this step and return the one decision all members follow (commit.py).
-
-        Call on every member once per step, after the gradient reduction and before the optimizer.
-        A decision that does not come within agree_timeout_s is replaced by abort (compare-and-set:
-        if a commit got there first, it stands).
-        """
-        return decide(self.store, self.heartbeat, generation, step, members, ok, timeout_s=self.agree_timeout,
-                      hb_timeout_s=self.hb_timeout, check_job=self.check_job,
-                      joiners=lambda members: self.joins.pending(members, generation))
-
-    def abort_step(self, generation: int, step: int) -> None:
-        """Decide abort for (generation, step) unless decided, and mark the generation not formed
-        (commit.abort_step): a rank leaving a generation that did not form for it."""
-        abort_step(self.store, generation, step)
-
-    def not_formed(self, generation: int) -> bool:
-        """Whether a member already decided that `generation` will not form (or the job ended)."""
-        return not_formed(self.store, generation)
-
-    def formed(self, generation: int, members: Sequence[int]) -> bool:
-        """Report that this member's data-parallel group of `generation` is built (and its joiners
-        hold the state); return whether the whole generation formed. One outcome for all members
-        (compare-and-set): with tensor or pipeline parallelism each position forms its own group,
-        and a position whose group failed must not leave the others training without it."""
-        return formed(self.store, self.heartbeat, generation, members, timeout_s=self.agree_timeout,
-                      hb_timeout_s=self.hb_timeout, check_job=self.check_job)
 
     # -- joins --------------------------------------------------------------------------------------
 

@@ -27,10 +27,11 @@ from typing import Callable, Dict, Mapping, Optional, Sequence
 import torch.distributed as dist
 
 from megatron_mecefo.elastic.membership import keys
+from megatron_mecefo.elastic.membership.commit import formed, not_formed
 from megatron_mecefo.elastic.membership.liveness import ABSENT, Heartbeat, Liveness, poke_key, settle
 from megatron_mecefo.errors import AgreementTimeout, NoCoverAvailable, NotAMember, StateLost
 
-__all__ = ["Agreement", "agree"]
+__all__ = ["Agreement", "Generations", "agree"]
 
 logger = logging.getLogger("megatron_mecefo.elastic.membership")
 
@@ -125,6 +126,62 @@ def agree(store: dist.Store, liveness: Liveness, heartbeat: Heartbeat, generatio
     return _adopt(store.get(agreed_key), generation, me)
 
 
+class Generations:
+    """One rank's handle on the generations (Membership.generations): agreeing on the members,
+    and whether a generation formed (commit.formed, commit.not_formed)."""
+
+    def __init__(self, store, liveness: Liveness, heartbeat: Heartbeat, *, timeout_s: float, interval_s: float,
+                 hb_timeout_s: float, whole, check_job: Callable[[], None], asking: Callable) -> None:
+        self._store, self._liveness, self._heartbeat = store, liveness, heartbeat
+        self._timeout_s, self._interval_s, self._hb_timeout_s = timeout_s, interval_s, hb_timeout_s
+        self._whole, self._check_job, self._asking = whole, check_job, asking
+
+    def agree(self, generation: int, candidates: Sequence[int], step: Optional[int], info: Optional[str] = None,
+              summarize: Optional[Callable[[Dict[int, str]], str]] = None, reduced: bool = False) -> Agreement:
+        """Agree with the other live candidates on the members of `generation` (`agree` above).
+
+        Call on every survivor (and admitted joiner) with the same `candidates`. `step` is the step
+        this rank holds the training state of, or None for a rank without state (a restarted or
+        late rank). The agreement names the members holding the state of the newest step (one of them
+        sends it) and the joiners, who must receive it before the generation trains: a rank without
+        state never trains or votes. `info` (a string, e.g. this rank's measured costs) is posted
+        with the check-in; the agreement carries the members' posts, or `summarize(posts)` of the
+        publisher (one string for any N), so every member reads the same. `reduced`: this rank
+        also holds the reduced gradients of step `step` (its commit was not confirmed); if a member
+        committed that step, the agreement names it `rolled`: it commits the step too.
+
+        Returns:
+            The agreed Agreement; its members contain this rank.
+
+        Candidates that have not checked in by agree_timeout_s are left out (a late starter then
+        rejoins like a restarted rank); the publisher then publishes at once.
+
+        Raises:
+            AgreementTimeout: still no agreement 2 x heartbeat_timeout_s after agree_timeout_s (every rank
+                that could publish it died meanwhile).
+            StateLost: every live candidate is without state and no other can bring it.
+            NoCoverAvailable: every replica lost a rank.
+            JobAborted: another rank gave up meanwhile.
+            NotAMember: the agreed list leaves this rank out (it was presumed failed).
+        """
+        return agree(self._store, self._liveness, self._heartbeat, generation, candidates, step,
+                     timeout_s=self._timeout_s, interval_s=self._interval_s, whole=self._whole,
+                     check_job=self._check_job, asking_to_join=self._asking, info=info, summarize=summarize,
+                     reduced=reduced)
+
+    def formed(self, generation: int, members: Sequence[int]) -> bool:
+        """Report that this member's data-parallel group of `generation` is built (and its joiners
+        hold the state); return whether the whole generation formed. One outcome for all members
+        (compare-and-set): with tensor or pipeline parallelism each position forms its own group,
+        and a position whose group failed must not leave the others training without it."""
+        return formed(self._store, self._heartbeat, generation, members, timeout_s=self._timeout_s,
+                      hb_timeout_s=self._hb_timeout_s, check_job=self._check_job)
+
+    def not_formed(self, generation: int) -> bool:
+        """Whether a member already decided that `generation` will not form (or the job ended)."""
+        return not_formed(self._store, generation)
+
+
 class _PublisherWatch:
     """The vigil of a candidate waiting for the agreement (from its heartbeat thread, each beat):
     wakes it once the agreement is out (a check-in the publisher did not see) or the job ended, and
@@ -168,7 +225,6 @@ class _PublisherWatch:
 
 def _publish(store, liveness, generation, candidates, checked, posts, holding, voters, pending, live, asking, whole,
              summarize, timeout_s) -> None:
-    agreed_key = keys.agreed(generation)
     members = whole(voters)  # a replica with a lost rank retires whole
     steps = [checked[r] for r in members if checked[r] >= 0]
     if steps:

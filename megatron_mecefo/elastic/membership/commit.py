@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 from megatron_mecefo.elastic.membership import keys
 from megatron_mecefo.elastic.membership.liveness import Heartbeat, await_key, settle
 
-__all__ = ["Decision", "decide", "formed", "abort_step", "not_formed"]
+__all__ = ["Decision", "StepVotes", "decide", "formed", "abort_step", "not_formed"]
 
 logger = logging.getLogger("megatron_mecefo.elastic.membership")
 
@@ -83,3 +83,38 @@ def formed(store, heartbeat: Heartbeat, generation: int, members: Sequence[int],
     raw = await_key(store, heartbeat, key, members, deadline=time.monotonic() + timeout_s, on_dead="no",
                     on_deadline="no", timeout_s=hb_timeout_s, check_job=check_job)
     return raw.decode() == "yes"
+
+
+class StepVotes:
+    """One rank's handle on the per-step vote (Membership.votes): the functions above, with what
+    they share."""
+
+    def __init__(self, store, heartbeat: Heartbeat, *, timeout_s: float, hb_timeout_s: float,
+                 check_job: Callable[[], None], joiners: Callable[[Sequence[int], int], list]) -> None:
+        self._store, self._heartbeat, self._timeout_s, self._hb_timeout_s = store, heartbeat, timeout_s, hb_timeout_s
+        self._check_job, self._joiners = check_job, joiners
+
+    def decide(self, generation: int, step: int, members: Sequence[int], ok: bool, world: int) -> Decision:
+        """Vote ok/abort for this step and return the one decision all members follow (`decide`).
+
+        Call on every member once per step, after the gradient reduction and before the optimizer.
+        A decision that does not come within agree_timeout_s is replaced by abort (compare-and-set:
+        if a commit got there first, it stands).
+        """
+        return decide(self._store, self._heartbeat, generation, step, members, ok, timeout_s=self._timeout_s,
+                      hb_timeout_s=self._hb_timeout_s, check_job=self._check_job,
+                      joiners=lambda members: self._joiners(members, generation))
+
+    def abort(self, generation: int, step: int) -> None:
+        """Decide abort for (generation, step) unless decided, and mark the generation not formed
+        (`abort_step`): a rank leaving a generation that did not form for it."""
+        abort_step(self._store, generation, step)
+
+    def watch(self, generation: int, step: int) -> None:
+        """The heartbeat thread watches this step's decision from now on (`aborted`)."""
+        self._heartbeat.watch_abort(keys.decision(generation, step))
+
+    def aborted(self, generation: int, step: int) -> bool:
+        """Whether a member declared the step failed, as the heartbeat thread last saw it (no store
+        call: polled while waiting on a collective)."""
+        return self._heartbeat.aborted(keys.decision(generation, step))

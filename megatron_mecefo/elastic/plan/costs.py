@@ -4,7 +4,7 @@ The cover planner (cover_plan.py) needs what an exact and a covering micro-batch
 measures both from its own steps (`CostMeter`: a step's compute time, from its start to its
 reduction, split by the counts of exact and covering micro-batches it ran, the exact cost known from
 its healthy steps; each cost the median of the last `window` observations) and posts them when it
-checks in for a generation (`Membership.agree(info=...)`). The agreement publishes what its members
+checks in for a generation (`Membership.generations.agree(info=...)`). The agreement publishes what its members
 posted, and `agreed_costs` reduces that to one `Costs` (the median over the members of their covering
 / exact ratios, exact = 1): every rank of every replica, with T and P > 1 too, derives the same plan,
 and no plan depends on one rank's clock. Until some member has run a covering micro-batch, one counts
