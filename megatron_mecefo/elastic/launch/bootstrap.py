@@ -17,7 +17,7 @@ from megatron_mecefo.config import LaunchEnv
 from megatron_mecefo.elastic.comm import nccl_env
 from megatron_mecefo.elastic.comm import store as job_store
 from megatron_mecefo.elastic.comm.replica import replica_round, watch_replica
-from megatron_mecefo.elastic.membership import Membership
+from megatron_mecefo.elastic.membership import OrphanWatch
 from megatron_mecefo.elastic.plan.topology import Grid
 from megatron_mecefo.errors import GaveUp
 from megatron_mecefo.log import EventLog
@@ -78,8 +78,7 @@ def init_distributed(backend: str = "gloo", tensor_parallel: int = 1, pipeline_p
         owners, jstore = [], job_store.job_store(raw, env.job_id)
         orphan = None
         if size > 1 and env.incarnation > 0:  # waiting for restarted mates: give up if nobody holds the state
-            orphan = Membership(jstore, lambda: None, env.rank, heartbeat_interval_s=heartbeat_timeout_s,
-                                heartbeat_timeout_s=heartbeat_timeout_s, agree_timeout_s=join_timeout_s).orphan_watch().check
+            orphan = OrphanWatch(jstore, env.rank, heartbeat_timeout_s).check
         try:
             store = replica_round(jstore, replica=replica, local_rank=local, size=size, incarnation=env.incarnation,
                                   rank=env.rank, timeout_s=join_timeout_s, owners=owners, while_waiting=orphan)

@@ -22,17 +22,15 @@ admission.py).
 
 from __future__ import annotations
 
-import json
 from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch.distributed as dist
 
 from megatron_mecefo.elastic.membership import keys
-from megatron_mecefo.elastic.membership.admission import Joins, OrphanWatch
+from megatron_mecefo.elastic.membership.admission import Joins, OrphanWatch, check_job
 from megatron_mecefo.elastic.membership.agreement import Agreement, Generations
 from megatron_mecefo.elastic.membership.commit import Decision, StepVotes
 from megatron_mecefo.elastic.membership.liveness import Heartbeat, Liveness, StallReport
-from megatron_mecefo.errors import JobAborted, JobFinished
 
 __all__ = ["Membership", "Decision", "Agreement", "OrphanWatch"]
 
@@ -120,11 +118,7 @@ class Membership:
 
     def check_job(self) -> None:
         """Raise if the job has ended: JobAborted when a rank gave up, JobFinished when it is done."""
-        if self.store.check([keys.JOB_FAILED]):
-            info = json.loads(self.store.get(keys.JOB_FAILED))
-            raise JobAborted(f"[rank {self.rank}] the job gave up: {info['reason']}")
-        if self.store.check([keys.JOB_FINISHED]):
-            raise JobFinished(f"[rank {self.rank}] the job finished")
+        check_job(self.store, self.rank)
 
     def mark_failed(self, reason: str, **fields) -> None:
         """Tell every rank (and the launcher) that the job gave up; the first reason stays."""
@@ -142,8 +136,8 @@ class Membership:
                 rank or send it the state); the job is marked failed.
             JoinTimeout: not admitted by `deadline` (time.monotonic(); the rank's start + join_timeout_s).
         """
-        return self.joins.request(self.liveness, self.check_job, deadline, announced)
+        return self.joins.request(deadline, announced)
 
     def orphan_watch(self) -> OrphanWatch:
         """A check for a rank waiting outside the job (admission.OrphanWatch)."""
-        return OrphanWatch(self.store, self.liveness, self.check_job)
+        return OrphanWatch(self.store, self.rank, self.hb_timeout)

@@ -9,14 +9,15 @@ left (`OrphanWatch`): nobody could admit it or send it the state.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Callable, Iterable, List, Optional, Sequence
 
 from megatron_mecefo.elastic.membership import keys
 from megatron_mecefo.elastic.membership.liveness import Liveness
-from megatron_mecefo.errors import JoinTimeout, StateLost
+from megatron_mecefo.errors import JobAborted, JobFinished, JoinTimeout, StateLost
 
-__all__ = ["Joins", "OrphanWatch", "announce", "latest_agreement"]
+__all__ = ["Joins", "OrphanWatch", "announce", "check_job", "latest_agreement"]
 
 POLL_S = 0.1
 
@@ -59,23 +60,22 @@ class Joins:
                 out.add(r)
         return out
 
-    def request(self, liveness: Liveness, check_job: Callable[[], None], deadline: float,
-                announced: Optional[Callable[[], None]] = None) -> int:
+    def request(self, deadline: float, announced: Optional[Callable[[], None]] = None) -> int:
         """Announce this restarted rank; return the generation it is admitted to (Membership.request_join)."""
         store, me = self.store, self.rank
         store.set(keys.joinee(me), "")
         store.delete_key(keys.exited(me))
-        liveness.forget()
+        self.liveness.forget()
         announce(store, me)
         if announced is not None:
             announced()
-        watch = OrphanWatch(store, liveness, check_job)
+        watch = OrphanWatch(store, me, self.liveness.timeout_s)
         while True:
             value = store.get(keys.joinee(me)).decode()
             if value:
                 store.set(keys.join(me), "admitted")
                 return int(value)
-            check_job()
+            check_job(store, me)
             if time.monotonic() > deadline:
                 raise JoinTimeout(f"[rank {me}] not admitted within mecefo.join_timeout_s of its start")
             watch.check()
@@ -102,14 +102,15 @@ def latest_agreement(store, since: int = 0) -> tuple:
 class OrphanWatch:
     """Polled by a rank waiting outside the job (to be admitted, or for its trace's rejoin step):
     raises StateLost, and marks the job failed, once no live rank of the newest generation holds
-    the state for longer than heartbeat_timeout_s; nobody could admit it or send it the state.
-    One scan of the holders' heartbeats every half second."""
+    the state for longer than `timeout_s` (heartbeat_timeout_s); nobody could admit it or send it
+    the state. One scan of the holders' heartbeats every half second. Needs only the store: a rank
+    waiting for its replica's mates has no Membership yet (launch/bootstrap.py)."""
 
-    def __init__(self, store, liveness: Liveness, check_job: Callable[[], None]) -> None:
-        self.store, self.liveness, self.check_job = store, liveness, check_job
+    def __init__(self, store, rank: int, timeout_s: float) -> None:
+        self.store, self.liveness = store, Liveness(store, rank, timeout_s)
         self.since = 0
         self.orphaned_since: Optional[float] = None
-        self.next_check = time.monotonic() + liveness.timeout_s
+        self.next_check = time.monotonic() + timeout_s
 
     def check(self) -> None:
         now = time.monotonic()
@@ -131,3 +132,11 @@ class OrphanWatch:
             store.compare_set(keys.JOB_FAILED, "", keys.failure(reason, me))
             raise StateLost(f"[rank {me}] {reason}")
 
+
+def check_job(store, rank: int) -> None:
+    """Raise if the job has ended: JobAborted when a rank gave up, JobFinished when it is done."""
+    if store.check([keys.JOB_FAILED]):
+        info = json.loads(store.get(keys.JOB_FAILED))
+        raise JobAborted(f"[rank {rank}] the job gave up: {info['reason']}")
+    if store.check([keys.JOB_FINISHED]):
+        raise JobFinished(f"[rank {rank}] the job finished")
