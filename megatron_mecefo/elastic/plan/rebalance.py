@@ -1,0 +1,99 @@
+"""Fail-slow: a slow replica sheds micro-batches to the faster ones. Pure; every rank computes the
+same from the same numbers.
+
+Speeds: each committed step, every live replica's compute seconds per micro-batch (its slowest
+position's) arrive summed in the step's statistics, so every rank sees the same numbers (the
+runtime's part, elastic/rebalancing.py). `SlowWatch` turns them into the slowdown factors a plan
+uses, one per replica, over the median replica's:
+
+* a replica whose factor stays above `threshold` for `window` committed steps is slow; its planned
+  factor is the median of its last `window` factors;
+* a slow replica whose factor (measured on the micro-batches it still runs) stays below
+  1 + (threshold - 1) / 2 for `window` steps is healthy again;
+* a slow replica's planned factor is replaced only when its window's median moves from it by more
+  than a share (threshold - 1) / 2 of it: a re-plan per real change of speed, no flapping on noise.
+
+A new generation starts a new watch (the runtime resets it): its members saw the same steps.
+
+Plan: `rebalance(fold, factors, costs)` moves micro-batches, whole and in the mode the cover plan
+gave them (the math does not change: the same micro-batches in the same global batch, the same
+divisors), from the replica predicted slowest to the one that would finish it soonest, while that
+it ends below the slowest's time (replica time = factor x the costs of its micro-batches): with
+equal costs, the least slowest time there is. Every replica keeps at least one micro-batch. tests/elastic/test_rebalance.py checks it against brute
+force.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+from typing import Deque, Dict, Mapping
+
+from megatron_mecefo.elastic.plan.cover_plan import Costs
+from megatron_mecefo.elastic.plan.fold import Fold
+
+__all__ = ["SlowWatch", "rebalance", "replica_times"]
+
+
+class SlowWatch:
+    """The slow replicas of one generation and their planned factors (see the module docstring)."""
+
+    def __init__(self, threshold: float, window: int) -> None:
+        if not threshold > 1 or window < 2:
+            raise ValueError(f"a slow replica needs threshold > 1 and window >= 2, got {threshold}, {window}")
+        self.threshold, self.window = threshold, window
+        self.recovered_below = 1 + (threshold - 1) / 2
+        self._seen: Dict[int, Deque[float]] = {}
+        self.factors: Dict[int, float] = {}
+        """Replica -> its planned slowdown factor (> 1); replicas not named run at 1."""
+
+    def observe(self, per_micro_batch: Mapping[int, float]) -> bool:
+        """One committed step's seconds per micro-batch by live replica. True: the factors changed."""
+        times = {r: t for r, t in per_micro_batch.items() if t > 0}
+        if len(times) < 2:
+            return False
+        median = statistics.median(times.values())
+        changed = False
+        for r, t in sorted(times.items()):
+            seen = self._seen.setdefault(r, collections.deque(maxlen=self.window))
+            seen.append(t / median)
+            if len(seen) < self.window:
+                continue
+            now, planned = statistics.median(seen), self.factors.get(r)
+            if planned is None and min(seen) > self.threshold:
+                self.factors[r] = now
+            elif planned is not None and max(seen) < self.recovered_below:
+                del self.factors[r]
+            elif planned is not None and abs(now / planned - 1) > (self.threshold - 1) / 2:
+                self.factors[r] = now
+            else:
+                continue
+            changed = True
+            seen.clear()  # the next decision on this replica reads steps of the new plan only
+        return changed
+
+
+def replica_times(fold: Fold, costs: Costs, factors: Mapping[int, float]) -> Dict[int, float]:
+    """Each live replica's predicted step time: its factor x its micro-batches' costs."""
+    return {r: factors.get(r, 1.0) * sum(costs.of(m) for m in mbs) for r, mbs in fold.assignments.items()}
+
+
+def rebalance(fold: Fold, factors: Mapping[int, float], costs: Costs) -> Fold:
+    """`fold` with micro-batches moved off slow replicas (see the module docstring). Deterministic:
+    ties go to the lowest replica."""
+    assignments = {r: list(mbs) for r, mbs in fold.assignments.items()}
+    times = replica_times(fold, costs, factors)
+    while True:
+        slowest = max(sorted(times), key=lambda r: times[r])
+        if len(assignments[slowest]) < 2:
+            break
+        m = assignments[slowest][-1]
+        after = {r: times[r] + factors.get(r, 1.0) * costs.of(m) for r in sorted(times) if r != slowest}
+        to = min(after, key=lambda r: after[r])
+        # the times, sorted from the slowest, fall in lexicographic order with every move: it ends
+        if not after[to] < times[slowest] - 1e-12:
+            break
+        assignments[to].append(assignments[slowest].pop())
+        times[to], times[slowest] = after[to], times[slowest] - factors.get(slowest, 1.0) * costs.of(m)
+    return dataclasses.replace(fold, assignments={r: tuple(mbs) for r, mbs in assignments.items()})
