@@ -18,9 +18,9 @@ A new generation starts a new watch (the runtime resets it): its members saw the
 Plan: `rebalance(fold, factors, costs)` moves micro-batches, whole and in the mode the cover plan
 gave them (the math does not change: the same micro-batches in the same global batch, the same
 divisors), from the replica predicted slowest to the one that would finish it soonest, while that
-it ends below the slowest's time (replica time = factor x the costs of its micro-batches): with
-equal costs, the least slowest time there is. Every replica keeps at least one micro-batch. tests/elastic/test_rebalance.py checks it against brute
-force.
+one ends below the slowest's time (replica time = factor x the costs of its micro-batches): with
+equal costs, the least slowest time there is. Every replica keeps at least one micro-batch.
+tests/elastic/test_rebalance.py checks it against brute force.
 """
 
 from __future__ import annotations
