@@ -130,6 +130,18 @@ class MeCeFOConfig:
     first), from the costs the members measured and agreed on (before the first covering step was
     measured, a covering micro-batch counts as 0.55 of an exact one). None: "neighbour" approximates
     as the paper, "spread" within the neighbour rule's time."""
+    rebalance: bool = False
+    """Fail-slow: a replica whose compute per micro-batch stays above rebalance_threshold times the
+    median replica's for rebalance_window committed steps sheds micro-batches to the faster replicas
+    from the next step on (the same micro-batches in the same global batch, each in the mode the
+    cover plan gave it; event "rebalance"), and the plan goes back to even once it recovers. Off:
+    no plan changes for speed, and a replica slower than collective_timeout_s is retired as failed."""
+    rebalance_threshold: float = 1.2
+    """With rebalance: a replica is slow above this many times the median replica's compute per
+    micro-batch (> 1), and healthy again below 1 + (rebalance_threshold - 1) / 2."""
+    rebalance_window: int = 5
+    """With rebalance: committed steps a replica stays above (or below) the thresholds before the plan
+    changes (>= 2)."""
     shard_redundancy: str = "neighbour"
     """With a sharded optimizer state (ds_config "zero_optimization.stage": 1, Megatron-LM's
     --use-distributed-optimizer): "neighbour" keeps a copy of each replica's shard, current at every
@@ -183,9 +195,12 @@ class MeCeFOConfig:
     "step": S (or "*": any step), "phase": "forward"|"backward"|"allreduce"|"commit"|"optimizer"|"recovery"|
     "join"|"transfer"|"admit"|"reshard", "incarnation": I (default 0: the first start)}; "hold" makes every
     rank wait at the start of step S until incarnation I (default 1) of rank R asks to rejoin; "error"
-    (phase "commit" only) makes the step's last collective fail on rank R while its peers' completed.
-    CLI: --mecefo-inject kill|hang|error:RANK:STEP[:PHASE[:INCARNATION]] or hold:RANK:STEP[:INCARNATION]
-    (repeatable). A rank outside the job is refused at start (formats: fault_rules.py)."""
+    (phase "commit" only) makes the step's last collective fail on rank R while its peers' completed;
+    {"kind": "slow", "rank": R, "factor": F, "from": S, "to": T} makes rank R's compute take F times
+    as long from step S to T (exclusive; none: the end), by sleeping. CLI: --mecefo-inject
+    kill|hang|error:RANK:STEP[:PHASE[:INCARNATION]], hold:RANK:STEP[:INCARNATION] or
+    slow:RANK:FACTOR:FROM[:TO] (repeatable). A rank outside the job is refused at start (formats:
+    fault_rules.py)."""
 
     trace: Optional[dict] = None
     """Trace-driven failures: {"mtbf_steps": M, "recovery_steps": R, "seed": S} (job-wide mean steps
@@ -218,6 +233,13 @@ class MeCeFOConfig:
                 raise ValueError(f"{self._where('covering_budget')} must be a number >= 1 (the slowest replica's step "
                                  f"time over a normal one's), got {value!r}")
             self.covering_budget = float(value)
+        self._check_bool("rebalance")
+        value = self.rebalance_threshold
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
+            raise ValueError(f"{self._where('rebalance_threshold')} must be a number > 1 (a slow replica's compute per "
+                             f"micro-batch over the median replica's), got {value!r}")
+        self.rebalance_threshold = float(value)
+        self._check_int_range("rebalance_window", 2)
         self._check_choice("shard_redundancy", SHARD_REDUNDANCY_CHOICES)
         self._check_choice("on_shard_loss", SHARD_LOSS_CHOICES)
         for key in ("collective_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "agree_timeout_s", "join_timeout_s"):
@@ -409,7 +431,7 @@ class MeCeFOConfig:
 
 _CHOICES = {"basis": BASES, "svd_method": SVD_METHODS, "recompute_ffn": RECOMPUTE_CHOICES, "approximate": APPROXIMATE_CHOICES, "cover": COVER_CHOICES,
             "shard_redundancy": SHARD_REDUNDANCY_CHOICES, "on_shard_loss": SHARD_LOSS_CHOICES}
-_FLAG_KINDS = {"enable": "store_true", "log_param_hash": "bool", "log_dir": "str", "store": "str",
+_FLAG_KINDS = {"enable": "store_true", "log_param_hash": "bool", "rebalance": "bool", "log_dir": "str", "store": "str",
                "restart_failed_after": "float", "covering_budget": "float"}
 
 

@@ -13,9 +13,10 @@ __all__ = ["KINDS", "PHASES", "PAPER_SCENARIOS", "RULE_FORMAT", "parse_rules", "
 PHASES = ("forward", "backward", "allreduce", "commit", "optimizer", "recovery", "join", "transfer", "admit", "reshard")
 """Where a kill or hang fires (elastic/faults/inject.py's docstring says when each point is reached)."""
 
-KINDS = ("kill", "hang", "error", "hold")
+KINDS = ("kill", "hang", "error", "hold", "slow")
 
-RULE_FORMAT = "kill|hang|error:RANK:STEP[:PHASE[:INCARNATION]] or hold:RANK:STEP[:INCARNATION]"
+RULE_FORMAT = ("kill|hang|error:RANK:STEP[:PHASE[:INCARNATION]] or hold:RANK:STEP[:INCARNATION] or "
+               "slow:RANK:FACTOR:FROM[:TO]")
 
 PAPER_SCENARIOS = {"low": (2.0, 4.0), "medium": (1.0, 3.0), "high": (0.5, 2.0)}
 """The paper's failure scenarios: (mean time between failures, recovery time) in hours."""
@@ -24,7 +25,8 @@ PAPER_SCENARIOS = {"low": (2.0, 4.0), "medium": (1.0, 3.0), "high": (0.5, 2.0)}
 def parse_rules(rules, where: str = 'mecefo "inject"') -> List[dict]:
     """Validate injection rules: dicts {"kind", "rank", "step" (int or "*"), "phase", "incarnation"}
     or CLI strings in RULE_FORMAT. Returns normalized dicts (phase "backward" and incarnation 0 by
-    default; a hold's incarnation defaults to 1, its phase is "forward": the start of the step).
+    default; a hold's incarnation defaults to 1, its phase is "forward": the start of the step). A
+    slow-down is {"kind": "slow", "rank", "factor", "from", "to"} (`_parse_slow`).
 
     Raises:
         ValueError: naming `where` (the ds_config key and flag) and the bad rule.
@@ -33,6 +35,9 @@ def parse_rules(rules, where: str = 'mecefo "inject"') -> List[dict]:
         rules = [rules]
     out = []
     for rule in rules:
+        if isinstance(rule, str) and rule.startswith("slow:") or isinstance(rule, dict) and rule.get("kind") == "slow":
+            out.append(_parse_slow(rule, where))
+            continue
         if isinstance(rule, str):
             parts = rule.split(":")
             fields = ("kind", "rank", "step", "incarnation") if parts[0] == "hold" else \
@@ -71,6 +76,35 @@ def parse_rules(rules, where: str = 'mecefo "inject"') -> List[dict]:
                 raise ValueError(f"{where}: {f} must be an integer >= 0, got {v!r}")
         out.append(rule)
     return out
+
+
+def _parse_slow(rule, where: str) -> dict:
+    """A slow-down: {"kind": "slow", "rank": R, "factor": F > 1, "from": S, "to": T (None: to the
+    end)}, or "slow:R:F:S[:T]". Rank R's compute takes F times as long from step S up to (not
+    including) step T, in every incarnation (the node is slow, not the process)."""
+    if isinstance(rule, str):
+        parts = rule.split(":")
+        if not 4 <= len(parts) <= 5:
+            raise ValueError(f"{where}: {rule!r} is not slow:RANK:FACTOR:FROM[:TO]")
+        try:
+            rule = {"kind": "slow", "rank": int(parts[1]), "factor": float(parts[2]), "from": int(parts[3]),
+                    "to": int(parts[4]) if len(parts) == 5 else None}
+        except ValueError:
+            raise ValueError(f"{where}: in {rule!r} rank, FROM and TO must be integers, FACTOR a number") from None
+    unknown = set(rule) - {"kind", "rank", "factor", "from", "to"}
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {sorted(unknown)} in {rule!r}")
+    rule = {"to": None, **rule}
+    for f in ("rank", "from") + (("to",) if rule["to"] is not None else ()):
+        v = rule.get(f)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{where}: {f} of a slow-down must be an integer >= 0, got {v!r}")
+    factor = rule.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
+        raise ValueError(f"{where}: the factor of a slow-down must be a number > 1, got {factor!r}")
+    if rule["to"] is not None and rule["to"] <= rule["from"]:
+        raise ValueError(f"{where}: a slow-down ends after it starts, got from {rule['from']} to {rule['to']}")
+    return {**rule, "factor": float(factor)}
 
 
 def parse_trace(trace, where: str = 'mecefo "trace"') -> dict:

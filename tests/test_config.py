@@ -30,6 +30,10 @@ def test_defaults_are_the_documented_ones():
         ("attention_floor", 1.5, r'"attention_floor" .* --mecefo-attention-floor must be a number in \[0, 1\], got 1.5'),
         ("covering_budget", 0.9, r'"covering_budget" .* --mecefo-covering-budget must be a number >= 1'),
         ("cover", "ring", r'"cover" .* --mecefo-cover must be one of .neighbour., .spread.'),
+        ("rebalance", "on", r'"rebalance" .* --mecefo-rebalance must be true or false'),
+        ("rebalance_threshold", 1.0, r'"rebalance_threshold" .* --mecefo-rebalance-threshold must be a number > 1'),
+        ("rebalance_threshold", 0.8, r"--mecefo-rebalance-threshold must be a number > 1"),
+        ("rebalance_window", 1, r'"rebalance_window" .* --mecefo-rebalance-window must be an integer >= 2, got 1'),
         ("enable", "yes", r'"enable" .* --mecefo must be true or false'),
         ("skip_attention", 1, r"--mecefo-skip-attention must be true or false"),
         ("lowrank_ffn", None, r"--mecefo-lowrank-ffn must be true or false"),
@@ -121,6 +125,11 @@ def test_trace_errors_name_the_key(trace, message):
         ("kill:1:2:sideways", "phase must be one of"),
         ("kill:x:2", "must be integers"),
         ({"kind": "kill", "rank": 1, "step": 2, "when": 3}, "unknown field"),
+        ("slow:1:2", r"is not slow:RANK:FACTOR:FROM\[:TO\]"),
+        ("slow:1:1.0:3", "factor of a slow-down must be a number > 1"),
+        ("slow:1:x:3", "FACTOR a number"),
+        ("slow:1:2:5:5", "ends after it starts"),
+        ({"kind": "slow", "rank": 1, "factor": 2, "from": 3, "step": 4}, "unknown field"),
     ],
 )
 def test_inject_errors_name_the_key(rule, message):

@@ -12,16 +12,17 @@ here are the step and its runtime; the sub-packages below them never import thes
 * regrouping.py   Regrouping: installing generations (start, rejoin, admission, after a failure)
 * latch.py        StepLatch: the step in progress as the reduction sees it (the error latch, statistics)
 * marks.py        HostMarks: a host's marks in the job's store, who speaks for a dead lead
+* rebalancing.py  Rebalancing: the replicas' speeds in the step's statistics, a slow one's plan
 * formation.py  forming a generation: agree, build the groups, re-shard, hand joiners the state
 * give_up.py    the give-up checkpoint: one whole replica writes it, every holder its shards
 * leaving.py    a rank leaves: retire (exit 4, restarted, rejoins) or give up (exit 3, the job ends)
 
-* plan/         pure: topology, fold, cover plan, costs (shared with the simulator)
+* plan/         pure: topology, fold, cover plan, costs, fail-slow rebalance (shared with the simulator)
 * comm/         process groups, the step's collectives, the job's store, the NCCL environment
 * sharding/     the sharded optimizer state, its layout and re-shard
 * membership/   the control plane (store-backed): liveness, agreement, the per-step vote, admission
 * launch/       mecefo-launch, mecefo-store, the keeper, a rank's bootstrap
-* faults/       failure injection: kill / hang rules, traces, waits keyed to restarted ranks
+* faults/       failure injection: kill / hang / slow rules, traces, waits keyed to restarted ranks
 """
 
 import importlib

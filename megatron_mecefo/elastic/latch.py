@@ -24,13 +24,16 @@ class StepLatch:
         aborted: () -> a member declared the current step failed (no store call).
         issued: () -> the micro-batches this rank runs in the step (plan()'s, or the fold's).
         costs: this rank's micro-batch cost meter; the step's compute time ends at its statistics.
+        computed: called when this rank's compute of the step ends (an injected slow-down stretches it).
+        speeds: the replicas' speeds (rebalancing.Rebalancing), summed with the statistics; None: off.
         log: the runtime's logger.
     """
 
     def __init__(self, *, group: Callable[[], Any], fold: Callable[[], Fold], fire: Callable[[str], None],
-                 aborted: Callable[[], bool], issued: Callable[[], tuple], costs: CostMeter, log) -> None:
+                 aborted: Callable[[], bool], issued: Callable[[], tuple], costs: CostMeter,
+                 computed: Callable[[], None] = lambda: None, speeds=None, log) -> None:
         self._group, self._fold, self.fire, self.step_aborted = group, fold, fire, aborted
-        self._issued, self._costs, self._log = issued, costs, log
+        self._issued, self._costs, self._computed, self._speeds, self._log = issued, costs, computed, speeds, log
         self.reset()
 
     def reset(self) -> None:
@@ -42,6 +45,8 @@ class StepLatch:
         """time.time() of the first failure, for the event log."""
         self.ran: Optional[int] = None
         """The micro-batches the members of this rank's position ran (None: not counted)."""
+        self.speeds: Optional[dict] = None
+        """Seconds per micro-batch by live replica, from the step's statistics (None: not summed)."""
         self._counted = False
 
     @property
@@ -67,15 +72,20 @@ class StepLatch:
             self._log.warning("peer failure detected: %s", str(error).splitlines()[0][:200])
 
     def step_statistics(self, micro_batches: Optional[int]) -> List[float]:
-        """What the commit needs summed with the step's statistics: the micro-batches this rank ran.
-        The step's compute time ends here."""
-        self._costs.end(self._issued())
+        """What the commit needs summed with the step's statistics: the micro-batches this rank ran
+        (and, rebalancing, its replica's speed). The step's compute time ends here."""
+        self._computed()
+        issued = self._issued()
+        seconds = self._costs.end(issued)
         self._counted = micro_batches is not None
-        return [float(micro_batches)] if micro_batches is not None else []
+        out = [float(micro_batches)] if micro_batches is not None else []
+        return out + (self._speeds.statistics(seconds, issued) if self._speeds is not None else [])
 
     def take_statistics(self, summed: List[float]) -> List[float]:
         """The summed `step_statistics` taken off the end of `summed`; returns the rest."""
         summed = list(summed)
+        if self._speeds is not None:
+            self.speeds = self._speeds.take(summed)
         if self._counted:
             self.ran = int(round(summed.pop()))
         return summed

@@ -57,6 +57,7 @@ from megatron_mecefo.elastic.membership import Membership
 from megatron_mecefo.elastic.plan.costs import CostMeter
 from megatron_mecefo.elastic.plan.cover_plan import CoverPlan
 from megatron_mecefo.elastic.plan.topology import CoverMap, Grid
+from megatron_mecefo.elastic.rebalancing import Rebalancing
 from megatron_mecefo.elastic.regrouping import Regrouping
 from megatron_mecefo.errors import GaveUp, StoreLost
 from megatron_mecefo.log import EventLog, RankPrefix
@@ -142,6 +143,9 @@ class ElasticRuntime:
             raise ValueError('mecefo "basis": "gradient" needs every weight\'s aggregated gradient on every rank; '
                              "a sharded optimizer (ZeRO stage 1, --use-distributed-optimizer) reduces each rank's "
                              'range only: use "weight" or "activation" there')
+        if config.rebalance and tensor_parallel * pipeline_parallel > 1:
+            raise ValueError('mecefo "rebalance" needs tensor and pipeline parallel size 1 for now: a replica\'s '
+                             "speed is its slowest position's, and the positions do not share theirs yet")
         # bad input fails before the store is touched
         self.injector = injector or FaultInjector.for_job(config, job, model_parallel=tensor_parallel * pipeline_parallel)
         self.cfg, self.rank, self.world, self.incarnation, self.k = config, rank, world, job.incarnation, micro_batches
@@ -170,9 +174,12 @@ class ElasticRuntime:
         self.marks = HostMarks(self.store, self.now, self.membership)
         """The host's marks in the job's store (marks.py)."""
         self._costs = costs or CostMeter()
+        self._rebalancing = Rebalancing(self.now, threshold=config.rebalance_threshold, window=config.rebalance_window,
+                                        events=self.events, log=self.log) if config.rebalance else None
         self.latch = StepLatch(group=lambda: self.now.group, fold=lambda: self.now.plan.fold, fire=self._fire,
                                aborted=lambda: self._committer.step_aborted(), issued=self.now.micro_batches_run,
-                               costs=self._costs, log=self.log)
+                               costs=self._costs, computed=lambda: self.injector.stretch(self.now.step),
+                               speeds=self._rebalancing, log=self.log)
         """The step in progress, as the step's reduction sees it (latch.py)."""
         state = state or StateHooks()
         self._formation = Formation(config, self.grid, rank, self.store, self.membership, self.injector, self.events,
@@ -249,6 +256,8 @@ class ElasticRuntime:
         """
         self.now.step = step
         self._guarded(self._regrouping.admit_pending)
+        if self._rebalancing is not None:
+            self._rebalancing.at_boundary()
         holds.wait_for_holds(self.injector.holds(self.now.step), self.now.step, self.store, self.membership,
                              self.cfg.join_timeout_s, self.events, self.log)
         self.latch.reset()
@@ -256,6 +265,7 @@ class ElasticRuntime:
         self._committer.begin(time.monotonic())
         self.membership.votes.watch(self.now.generation, self.now.step)
         self._costs.begin()
+        self.injector.begin()
 
     def plan(self) -> StepPlan:
         """This rank's micro-batches in the current step (own, then adopted), with the divisors."""
@@ -273,7 +283,10 @@ class ElasticRuntime:
             GaveUp: the failure cannot be absorbed; a checkpoint was written if possible (exit with
                 GAVE_UP_EXIT_CODE).
         """
-        return self._guarded(self._committer.commit, record)
+        committed = self._guarded(self._committer.commit, record)
+        if committed and self._rebalancing is not None:
+            self._rebalancing.committed(self.latch.speeds)
+        return committed
 
     def after_optimizer_step(self) -> None:
         """Call after the optimizer step of a committed step. If a collective after the commit

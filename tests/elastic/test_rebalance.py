@@ -83,14 +83,23 @@ def test_no_flapping_on_noise_and_back_to_even_on_recovery():
     rng = random.Random(0)
     noisy = [(1, 1, 2.0 * rng.uniform(0.9, 1.1), 1) for _ in range(40)]
     assert not any(steps(watch, noisy)), "noise of 10 % never re-plans"
-    # a real change of speed: re-planned once most of the window shows it
-    assert steps(watch, [(1, 1, 1.5, 1)] * 3) == [False, True, False] and watch.factors == {2: pytest.approx(1.5)}
+    # a real change of speed: re-planned once the whole window shows it
+    assert steps(watch, [(1, 1, 1.5, 1)] * 3) == [False, False, True] and watch.factors == {2: pytest.approx(1.5)}
     # between the thresholds (1.1 .. 1.2): still slow, at its new factor
-    assert steps(watch, [(1, 1, 1.15, 1)] * 6) == [False, True, False, False, False, False]
+    assert steps(watch, [(1, 1, 1.15, 1)] * 6) == [False, False, True, False, False, False]
     assert watch.factors == {2: pytest.approx(1.15)}
     # under 1.1 for a whole window: back to even
     assert steps(watch, [(1, 1, 1.05, 1)] * 3) == [False, False, True] and watch.factors == {}
     assert not any(steps(watch, [(1, 1, 1.15, 1)] * 10)), "between the thresholds: not slow again"
+
+
+def test_no_re_plan_in_the_middle_of_a_change():
+    """Slow at 2x, then fast: a window half slow, half fast is no new speed (its median would be);
+    the plan goes back to even once the whole window is fast."""
+    watch = SlowWatch(threshold=1.2, window=2)
+    assert steps(watch, [(1, 1, 2.0, 1)] * 2) == [False, True]
+    assert steps(watch, [(1, 1, 2.0, 1), (1, 1, 1.0, 1), (1, 1, 1.0, 1)]) == [False, False, True]
+    assert watch.factors == {}
 
 
 @pytest.mark.parametrize("threshold, window", [(1.0, 5), (0.5, 5), (1.2, 1)])

@@ -34,6 +34,7 @@ import os
 import random
 import signal
 import sys
+import time
 from typing import Iterable, List, Mapping, Optional, Sequence
 
 from megatron_mecefo.fault_rules import KINDS, PAPER_SCENARIOS, PHASES, RULE_FORMAT, parse_rules, parse_trace
@@ -120,8 +121,10 @@ def check_rules(rules: Iterable[Mapping], world: int) -> None:
     """Injection rules must name ranks of the job. Raises ValueError naming the rule."""
     for r in rules:
         if not 0 <= int(r["rank"]) < world:
+            what = f'slow:{r["rank"]}:{r["factor"]}:{r["from"]}' if r["kind"] == "slow" else \
+                f'{r["kind"]}:{r["rank"]}:{r["step"]}:{r.get("phase", "backward")}'
             raise ValueError(
-                f'mecefo "inject" rule {r["kind"]}:{r["rank"]}:{r["step"]}:{r.get("phase", "backward")} names rank '
+                f'mecefo "inject" rule {what} names rank '
                 f'{r["rank"]}, but the job has {world} ranks (0..{world - 1}): it would never fire')
 
 
@@ -214,6 +217,10 @@ class FaultInjector:
         self.trace: List[TraceEvent] = []
         """The job's failure trace (config.trace), as laid out by `for_job`."""
         self.events = None  # an EventLog: the firing time is recorded before the signal
+        self.slow: List[dict] = []
+        """This rank's slow-downs ({"factor", "from", "to"}; see `stretch`)."""
+        self._began = time.monotonic()
+        self._slowed: set = set()
 
     def _add(self, kind: str, rank: int, step, phase: str, incarnation: int = 0) -> "FaultInjector":
         if kind not in KINDS:
@@ -262,9 +269,30 @@ class FaultInjector:
     def from_rules(cls, rules: Iterable[Mapping], rank: int, incarnation: int = 0) -> "FaultInjector":
         inj = cls(rank, incarnation)
         for r in rules:
+            if r["kind"] == "slow":
+                if int(r["rank"]) == rank:
+                    inj.slow.append({"factor": float(r["factor"]), "from": int(r["from"]), "to": r.get("to")})
+                continue
             step = r["step"] if r["step"] == "*" else int(r["step"])
             inj._add(r["kind"], int(r["rank"]), step, r.get("phase", "backward"), int(r.get("incarnation", 0)))
         return inj
+
+    def stretch(self, step: int) -> None:
+        """At the end of this rank's compute in `step` (the step's statistics, before they are reduced;
+        called by the runtime's latch): under a slow-down of factor F,
+        wait (F - 1) x the compute since `begin`, so the step's compute takes F times as long. A
+        sleep, not a busy loop: a slow GPU does not slow the others, and on a CPU shared by the ranks
+        a busy loop would take a core from them (the other replicas would slow down too)."""
+        on = [i for i, s in enumerate(self.slow) if s["from"] <= step and (s["to"] is None or step < s["to"])]
+        if not on:
+            return
+        factor = self.slow[on[0]]["factor"]
+        if on[0] not in self._slowed:  # once per slow-down, when it first applies
+            self._slowed.add(on[0])
+            print(f"[mecefo inject] rank {self.rank}: slow x{factor} from step {step}", file=sys.stderr, flush=True)
+            if self.events is not None:
+                self.events.write("inject", kind="slow", step=step, phase="allreduce", factor=factor)
+        time.sleep((factor - 1) * max(0.0, time.monotonic() - self._began))
 
     def hold_at(self, rank: int, step: int, incarnation: int = 1) -> "FaultInjector":
         """Every member waits at the start of `step` until `incarnation` of `rank` asks to rejoin."""
@@ -273,6 +301,10 @@ class FaultInjector:
     def holds(self, step: int) -> List[tuple]:
         """(rank, incarnation) of the restarted ranks the job waits for at the start of `step`."""
         return [(r["rank"], r["incarnation"]) for r in self.rules if r["kind"] == "hold" and r["step"] == step]
+
+    def begin(self) -> None:
+        """A step (or its redo) starts: a slow-down stretches the compute from here."""
+        self._began = time.monotonic()
 
     def maybe_fire(self, step: int, phase: str) -> None:
         for rule in self.rules:

@@ -41,10 +41,12 @@ class CostMeter:
         """A step (or its redo) starts: its compute time counts from here."""
         self._t0 = time.monotonic()
 
-    def end(self, micro_batches: Sequence) -> None:
-        """At the step's reduction: this rank ran `micro_batches` (fold.MicroBatch) since `begin`."""
-        covering = sum(1 for m in micro_batches if m.covering)
-        self.observe(len(micro_batches) - covering, covering, time.monotonic() - self._t0)
+    def end(self, micro_batches: Sequence) -> float:
+        """At the step's reduction: this rank ran `micro_batches` (fold.MicroBatch) since `begin`.
+        Returns the step's compute seconds."""
+        covering, seconds = sum(1 for m in micro_batches if m.covering), time.monotonic() - self._t0
+        self.observe(len(micro_batches) - covering, covering, seconds)
+        return seconds
 
     def observe(self, exact: int, covering: int, seconds: float) -> None:
         """A step of this rank ran `exact` exact and `covering` covering micro-batches in `seconds`."""

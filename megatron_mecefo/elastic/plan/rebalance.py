@@ -10,8 +10,9 @@ uses, one per replica, over the median replica's:
   factor is the median of its last `window` factors;
 * a slow replica whose factor (measured on the micro-batches it still runs) stays below
   1 + (threshold - 1) / 2 for `window` steps is healthy again;
-* a slow replica's planned factor is replaced only when its window's median moves from it by more
-  than a share (threshold - 1) / 2 of it: a re-plan per real change of speed, no flapping on noise.
+* a slow replica's planned factor is replaced (by its window's median) only when its whole window
+  lies more than a share (threshold - 1) / 2 above or below it: a re-plan per real change of speed,
+  none on noise or in the middle of a change.
 
 A new generation starts a new watch (the runtime resets it): its members saw the same steps.
 
@@ -43,7 +44,8 @@ class SlowWatch:
         if not threshold > 1 or window < 2:
             raise ValueError(f"a slow replica needs threshold > 1 and window >= 2, got {threshold}, {window}")
         self.threshold, self.window = threshold, window
-        self.recovered_below = 1 + (threshold - 1) / 2
+        self.band = (threshold - 1) / 2
+        self.recovered_below = 1 + self.band
         self._seen: Dict[int, Deque[float]] = {}
         self.factors: Dict[int, float] = {}
         """Replica -> its planned slowdown factor (> 1); replicas not named run at 1."""
@@ -65,7 +67,7 @@ class SlowWatch:
                 self.factors[r] = now
             elif planned is not None and max(seen) < self.recovered_below:
                 del self.factors[r]
-            elif planned is not None and abs(now / planned - 1) > (self.threshold - 1) / 2:
+            elif planned is not None and (min(seen) / planned - 1 > self.band or 1 - max(seen) / planned > self.band):
                 self.factors[r] = now
             else:
                 continue

@@ -1,0 +1,95 @@
+"""The runtime's fail-slow part (config "rebalance"): every replica's speed, agreed without the store,
+and the plan that follows it (the planning itself is pure: plan/rebalance.py).
+
+Each step, every rank puts its compute seconds per micro-batch (exact-equivalent: a covering one
+counts as the generation's agreed covering cost) into its replica's slot of D slots summed with the
+step's statistics (`statistics`, `take`): after the reduction every member of a (tp, pp) position's
+group holds the same numbers. A committed step feeds them to the generation's `SlowWatch`; when the
+factors change, the next step boundary installs the generation's cover plan rebalanced for them
+(`at_boundary`), on every member at the same step; a new factor that deals the same micro-batches
+is no change of plan (no event). A new generation starts from its own cover plan
+and a new watch: its members, joiners included, have seen the same committed steps since.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+from megatron_mecefo.elastic.current import Current
+from megatron_mecefo.elastic.plan.cover_plan import CoverPlan
+from megatron_mecefo.elastic.plan.rebalance import SlowWatch, rebalance, replica_times
+
+__all__ = ["Rebalancing"]
+
+
+class Rebalancing:
+    """One rank's view of the replicas' speeds (see the module docstring).
+
+    Args:
+        now: where this rank stands (its plan is replaced at step boundaries).
+        threshold, window: MeCeFOConfig.rebalance_threshold / rebalance_window.
+        events, log: the runtime's event log and logger.
+    """
+
+    def __init__(self, now: Current, *, threshold: float, window: int, events, log) -> None:
+        self.now, self.threshold, self.window = now, threshold, window
+        self._events, self._log = events, log
+        self._generation: Optional[int] = None
+        self._base: Optional[CoverPlan] = None
+        self._watch = SlowWatch(threshold, window)
+        self._pending = False
+        self.replans = 0
+        """Changes of plan for speed so far (events "rebalance")."""
+
+    def statistics(self, seconds: float, ran: Sequence) -> List[float]:
+        """This rank's slots of the step's statistics: D numbers, its seconds per micro-batch in its
+        replica's slot (a replica's ranks of one position are one per group)."""
+        costs = self.now.plan.costs
+        work = sum(costs.of(m) for m in ran) / costs.exact
+        slots = [0.0] * self.now.grid.dp
+        if work > 0:
+            slots[self.now.replica] = seconds / work
+        return slots
+
+    def take(self, summed: List[float]) -> Dict[int, float]:
+        """The D slots off the end of `summed` (in place): seconds per micro-batch by live replica."""
+        dp = self.now.grid.dp
+        slots = summed[len(summed) - dp:]
+        del summed[len(summed) - dp:]
+        return {r: slots[r] for r in self.now.cover.live}
+
+    def committed(self, speeds: Optional[Dict[int, float]]) -> None:
+        """The step whose `take` gave `speeds` committed on every member."""
+        if speeds and self._generation == self.now.generation and self._watch.observe(speeds):
+            self._pending = True
+
+    def at_boundary(self) -> None:
+        """A step boundary: a new generation starts over; changed factors are installed."""
+        now = self.now
+        if self._generation != now.generation:
+            self._generation, self._base = now.generation, now.plan
+            self._watch, self._pending = SlowWatch(self.threshold, self.window), False
+            return
+        if not self._pending:
+            return
+        self._pending = False
+        base, factors = self._base, dict(self._watch.factors)
+        fold = rebalance(base.fold, factors, base.costs) if factors else base.fold
+        if fold.assignments == now.plan.fold.assignments:  # a new factor, the same deal: no change of plan
+            return
+        predicted = replica_times(fold, base.costs, factors)
+        now.plan = CoverPlan(fold, predicted, base.target, base.costs) if factors else base
+        self.replans += 1
+        normal = now.k * base.costs.exact
+        counts = {str(r): len(mbs) for r, mbs in sorted(fold.assignments.items())}
+        self._events.write("rebalance", step=now.step, generation=now.generation,
+                           factors={str(r): round(f, 4) for r, f in sorted(factors.items())},
+                           micro_batches=counts, slowest_ratio=max(predicted.values()) / normal,
+                           replans=self.replans)
+        if factors:
+            self._log.warning("step %d: replicas %s slow (x%s): micro-batches per replica %s, slowest replica "
+                              "%.2fx a normal step predicted", now.step, sorted(factors),
+                              "/".join(f"{f:.2f}" for _, f in sorted(factors.items())), counts,
+                              max(predicted.values()) / normal)
+        else:
+            self._log.warning("step %d: no replica slow any more: back to the generation's plan", now.step)

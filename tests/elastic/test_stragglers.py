@@ -1,0 +1,57 @@
+"""Fail-slow in real processes: a replica slowed by an injected slow-down (it sleeps for the extra
+compute) sheds micro-batches to the others once its window says it is slow, on every member at the
+same step, and takes them back once it is fast again. The math does not change: the final
+parameters equal the fault-free reference, and every step consumed the global batch once."""
+
+import json
+
+import pytest
+
+from tests.elastic.test_fault_tolerance import K, STEPS, check_run, launch, references  # noqa: F401
+
+pytestmark = [pytest.mark.dist, pytest.mark.fault]
+
+
+def events(out, rank, kind):
+    path = out / f"events_rank{rank}.jsonl"
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
+
+
+def test_a_transient_straggler_sheds_micro_batches_and_takes_them_back(tmp_path, references):
+    """D = 4, k = 2, rank 2 twice as slow in steps 1..5, a window of 2 steps: slow after steps 1 and
+    2 committed, so step 3 runs rebalanced (rank 2 one micro-batch, one other replica three); fast
+    again after steps 6 and 7, so step 8 runs the even plan."""
+    proc, _ = launch(tmp_path, 4, "--step-sleep", "0.1", "--mecefo-rebalance", "--mecefo-rebalance-window", "2",
+                     "--mecefo-inject", "slow:2:2:1:6")
+    records = check_run(tmp_path, 4, [0, 1, 2, 3], references[4], proc)
+    plans = [[(e["step"], e["micro_batches"], sorted(e["factors"])) for e in events(tmp_path, r, "rebalance")]
+             for r in range(4)]
+    assert all(p == plans[0] for p in plans), plans
+    (s1, counts1, slow1), (s2, counts2, slow2) = plans[0]
+    assert (s1, slow1, counts1["2"], sorted(counts1.values())) == (3, ["2"], 1, [1, 2, 2, 3]), plans[0]
+    assert (s2, slow2, sorted(counts2.values())) == (8, [], [2, 2, 2, 2]), plans[0]
+    factor = events(tmp_path, 0, "rebalance")[0]["factors"]["2"]
+    assert 1.7 < factor < 2.3, factor
+    ran = {step: {r["rank"]: len(r["micro_batches"]) for r in recs} for step, recs in records.items()}
+    assert all(ran[s][2] == (1 if 3 <= s < 8 else K) for s in range(STEPS)), ran
+    assert "replicas [2] slow (x" in proc.stderr and "no replica slow any more" in proc.stderr
+
+
+def test_without_rebalance_a_slow_replica_keeps_its_micro_batches(tmp_path, references):
+    proc, _ = launch(tmp_path, 3, "--step-sleep", "0.05", "--mecefo-inject", "slow:1:2:1")
+    records = check_run(tmp_path, 3, [0, 1, 2], references[3], proc)
+    assert not events(tmp_path, 0, "rebalance")
+    assert all(len(r["micro_batches"]) == K for recs in records.values() for r in recs)
+    (slow,) = [e for e in events(tmp_path, 1, "inject") if e["kind"] == "slow"]
+    assert (slow["step"], slow["factor"]) == (1, 2.0)
+
+
+@pytest.mark.unit
+def test_rebalance_with_tensor_or_pipeline_parallelism_is_refused_before_the_store():
+    from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
+    from megatron_mecefo.elastic.runtime import ElasticRuntime
+
+    job = LaunchEnv(rank=0, world=4, local_rank=0, master_addr="127.0.0.1", master_port=1, incarnation=0,
+                    mecefo_launcher=True)
+    with pytest.raises(ValueError, match='"rebalance" needs tensor and pipeline parallel size 1'):
+        ElasticRuntime(MeCeFOConfig(enable=True, rebalance=True), job, tensor_parallel=2)
