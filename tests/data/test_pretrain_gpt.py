@@ -10,13 +10,22 @@ from tests.helpers import ROOT, run_launcher
 
 pytestmark = pytest.mark.dist
 
-def test_with_and_without_mecefo_train_the_same_model(tmp_path):
+def test_with_and_without_mecefo_and_with_a_rebalanced_straggler_train_the_same_model(tmp_path):
     # (without a failure no rank covers, so the approximation switches cannot matter: one --mecefo run)
     plain = pretrain(tmp_path, 2, "--train-iters", "8", "--eval-interval", "4")
     mecefo = pretrain(tmp_path, 2, "--train-iters", "8", "--eval-interval", "4", "--mecefo")
     vp, vm = valid_loss(plain.stdout), valid_loss(mecefo.stdout)
     assert len(vp) == 2 and vp[1] < vp[0]
     assert vm == pytest.approx(vp, rel=1e-5), "no failure: MeCeFO's runtime = plain DeepSpeed data parallelism"
+    # rank 1 three times as slow from step 2: it sheds a micro-batch to rank 0, the model is the same
+    slow = pretrain(tmp_path, 2, "--train-iters", "8", "--eval-interval", "4", "--mecefo", "--mecefo-rebalance",
+                    "--mecefo-rebalance-window", "2", "--mecefo-inject", "slow:1:3:2", "--mecefo-log-dir",
+                    str(tmp_path / "slow"))
+    assert valid_loss(slow.stdout) == pytest.approx(vp, rel=1e-5)
+    (event,) = [e for e in map(json.loads, (tmp_path / "slow" / "events_rank0.jsonl").read_text().splitlines())
+                if e["event"] == "rebalance"]
+    assert event["step"] == 4 and event["micro_batches"] == {"0": 3, "1": 1}, event
+    assert "replicas [1] slow (x" in slow.stderr
 
 
 def test_injected_kill_is_absorbed(tmp_path):

@@ -4,7 +4,8 @@ same from the same numbers.
 Speeds: each committed step, every live replica's compute seconds per micro-batch (its slowest
 position's) arrive summed in the step's statistics, so every rank sees the same numbers (the
 runtime's part, elastic/rebalancing.py). `SlowWatch` turns them into the slowdown factors a plan
-uses, one per replica, over the median replica's:
+uses, one per replica, over the median replica's (the lower median: of two replicas, the faster,
+so the factor is against a normal speed):
 
 * a replica whose factor stays above `threshold` for `window` committed steps is slow; its planned
   factor is the median of its last `window` factors;
@@ -55,7 +56,7 @@ class SlowWatch:
         times = {r: t for r, t in per_micro_batch.items() if t > 0}
         if len(times) < 2:
             return False
-        median = statistics.median(times.values())
+        median = statistics.median_low(times.values())
         changed = False
         for r, t in sorted(times.items()):
             seen = self._seen.setdefault(r, collections.deque(maxlen=self.window))
