@@ -37,6 +37,24 @@ def test_a_transient_straggler_sheds_micro_batches_and_takes_them_back(tmp_path,
     assert "replicas [2] slow (x" in proc.stderr and "no replica slow any more" in proc.stderr
 
 
+def test_a_kill_during_a_rebalanced_step_leaves_a_cover_plan_rebalanced_anew(tmp_path, references):
+    """Rank 2 twice as slow from step 1 (rebalanced from step 3); rank 1 killed in step 5's backward.
+    The new generation starts from its cover plan, rank 2 (rank 1's ring neighbour) running 2k
+    micro-batches while slow, and after two committed steps in it sheds them again (step 7)."""
+    proc, _ = launch(tmp_path, 4, "--step-sleep", "0.1", "--mecefo-rebalance", "--mecefo-rebalance-window", "2",
+                     "--mecefo-inject", "slow:2:2:1", "--mecefo-inject", "kill:1:5:backward")
+    records = check_run(tmp_path, 4, [0, 2, 3], references[4], proc)
+    plans = [[(e["generation"], e["step"], e["micro_batches"]) for e in events(tmp_path, r, "rebalance")]
+             for r in (0, 2, 3)]
+    assert all(p == plans[0] for p in plans), plans
+    assert [(g, s) for g, s, _ in plans[0]] == [(0, 3), (1, 7)], plans[0]
+    gen1 = plans[0][1][2]
+    assert set(gen1) == {"0", "2", "3"} and gen1["2"] < 2 * K and sum(gen1.values()) == 4 * K, gen1
+    ran = {step: {r["rank"]: len(r["micro_batches"]) for r in recs} for step, recs in records.items()}
+    assert [ran[s][2] for s in (5, 6)] == [2 * K, 2 * K], "the new generation's cover plan, not the old deal"
+    assert all(ran[s][2] == gen1["2"] for s in range(7, STEPS)), ran
+
+
 def test_without_rebalance_a_slow_replica_keeps_its_micro_batches(tmp_path, references):
     proc, _ = launch(tmp_path, 3, "--step-sleep", "0.05", "--mecefo-inject", "slow:1:2:1")
     records = check_run(tmp_path, 3, [0, 1, 2], references[3], proc)
