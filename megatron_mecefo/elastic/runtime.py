@@ -143,9 +143,6 @@ class ElasticRuntime:
             raise ValueError('mecefo "basis": "gradient" needs every weight\'s aggregated gradient on every rank; '
                              "a sharded optimizer (ZeRO stage 1, --use-distributed-optimizer) reduces each rank's "
                              'range only: use "weight" or "activation" there')
-        if config.rebalance and tensor_parallel * pipeline_parallel > 1:
-            raise ValueError('mecefo "rebalance" needs tensor and pipeline parallel size 1 for now: a replica\'s '
-                             "speed is its slowest position's, and the positions do not share theirs yet")
         # bad input fails before the store is touched
         self.injector = injector or FaultInjector.for_job(config, job, model_parallel=tensor_parallel * pipeline_parallel)
         self.cfg, self.rank, self.world, self.incarnation, self.k = config, rank, world, job.incarnation, micro_batches
@@ -285,8 +282,16 @@ class ElasticRuntime:
         """
         committed = self._guarded(self._committer.commit, record)
         if committed and self._rebalancing is not None:
-            self._rebalancing.committed(self.latch.speeds)
+            self._rebalancing.committed(self._replica_speeds())
         return committed
+
+    def _replica_speeds(self) -> dict:
+        """Seconds per micro-batch by live replica: its slowest position's. The step's statistics
+        summed each position's over the replicas; with T or P > 1 one MIN of the negated numbers over
+        the replica's ranks (all of them committed the step alike) gives every rank the same."""
+        speeds, live = self.latch.speeds or {}, sorted(self.now.cover.live)
+        slowest = self._committer.replica_min([-speeds.get(r, 0.0) for r in live])
+        return {r: -v for r, v in zip(live, slowest)}
 
     def after_optimizer_step(self) -> None:
         """Call after the optimizer step of a committed step. If a collective after the commit

@@ -148,6 +148,22 @@ def test_giving_up_writes_every_shard_and_resumes(tmp_path):
     assert " starting at iteration 8" in resumed.stdout and "iteration       10/      10" in resumed.stdout
 
 
+def test_a_slow_pipeline_stage_makes_its_replica_shed_micro_batches(tmp_path):
+    """D = 2 x P = 2: stage 1 of replica 1 (rank 3) three times as slow from step 2. Every rank of
+    both replicas learns the replica's speed (its slowest stage's) and takes the same deal at the
+    same step: replica 1 one micro-batch, replica 0 three; the validation loss is the plain run's."""
+    args = ["--global-batch-size", "8", "--train-iters", "10", "--eval-interval", "10", "--log-interval", "1"]
+    plain = launch(tmp_path / "plain", 4, ["--pipeline-model-parallel-size", "2"], "--mecefo", *args)
+    slow = launch(tmp_path, 4, ["--pipeline-model-parallel-size", "2"], "--mecefo", *args, "--mecefo-rebalance",
+                  "--mecefo-rebalance-window", "3", "--mecefo-inject", "slow:3:3:2", "--mecefo-log-dir", str(tmp_path))
+    assert valid_loss(slow.stdout) == pytest.approx(valid_loss(plain.stdout), rel=1e-5) and valid_loss(plain.stdout)
+    plans = [[(e["step"], e["micro_batches"], sorted(e["factors"])) for e in chaos.events(tmp_path, 4, "rebalance")
+              if e["rank"] == r] for r in range(4)]
+    assert all(p == plans[0] for p in plans), plans
+    step, deal, slow_replicas = plans[0][-1]
+    assert deal == {"0": 3, "1": 1} and slow_replicas == ["1"] and step >= 2 + 3, plans[0]
+
+
 @pytest.mark.parametrize("nproc, extra, message", [
     (4, ["--tensor-model-parallel-size", "3"], "the world of 4 ranks is not divisible by --tensor-model-parallel-size (3)"),
     (2, ["--pipeline-model-parallel-size", "2", "--num-layers", "3"], "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),

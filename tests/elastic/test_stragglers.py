@@ -63,13 +63,3 @@ def test_without_rebalance_a_slow_replica_keeps_its_micro_batches(tmp_path, refe
     (slow,) = [e for e in events(tmp_path, 1, "inject") if e["kind"] == "slow"]
     assert (slow["step"], slow["factor"]) == (1, 2.0)
 
-
-@pytest.mark.unit
-def test_rebalance_with_tensor_or_pipeline_parallelism_is_refused_before_the_store():
-    from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
-    from megatron_mecefo.elastic.runtime import ElasticRuntime
-
-    job = LaunchEnv(rank=0, world=4, local_rank=0, master_addr="127.0.0.1", master_port=1, incarnation=0,
-                    mecefo_launcher=True)
-    with pytest.raises(ValueError, match='"rebalance" needs tensor and pipeline parallel size 1'):
-        ElasticRuntime(MeCeFOConfig(enable=True, rebalance=True), job, tensor_parallel=2)
