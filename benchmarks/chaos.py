@@ -2,8 +2,8 @@
 examples/pretrain_gpt, each checked against the invariants of megatron_mecefo.testing.chaos.
 
     python benchmarks/chaos.py                       # 200 toy + 20 pretrain_gpt + 10 layout + 40 sharded
-                                                     # + 10 checkout + 60 spread schedules (~1.9 h)
-    python benchmarks/chaos.py --toy 0 --pretrain 0 --layouts 0 --sharded 0 --spread 0   # the checkouts only
+                                                     # + 10 checkout + 60 spread + 30 straggler schedules (~2 h)
+    python benchmarks/chaos.py --toy 0 --pretrain 0 --layouts 0 --sharded 0 --spread 0 --stragglers 0   # the checkouts only
     python benchmarks/chaos.py --toy 20 --pretrain 2 # a quick look
     python benchmarks/chaos.py --toy-seeds 17 42 --pretrain 0   # rerun given seeds (a kind with no
                                                      # schedules keeps its results in the JSON)
@@ -20,7 +20,10 @@ fault-free run's, or the job gave up cleanly (a shard whose owner and copy holde
 D=2 x P=2: Megatron-DeepSpeed with DeepSpeed's pipeline engine (even seeds) and Megatron-LM with
 its 1F1B schedule (odd seeds), each for 40 steps. "spread" runs the toy job on 3 or 4 replicas with
 cover "spread" (a lost replica's micro-batches dealt over the survivors): the toy's invariants, with
-each generation's plan read from its regroup events.
+each generation's plan read from its regroup events. "stragglers" runs the toy job on 3 or 4
+replicas with rebalance on (a window of 2 steps) and one or two slow-downs (1.5x to 3x, some
+transient) laid over the kills and hangs (chaos.straggler_schedule): the toy's invariants, with
+each rebalanced plan read from its rebalance events.
 """
 
 from __future__ import annotations
@@ -60,17 +63,20 @@ def run_many(kind: str, seeds, work: Path, world_of, steps: int) -> dict:
     for seed in seeds:
         world = world_of(seed)
         schedule = chaos.random_schedule(seed, world, steps)
-        if kind == "layouts":
+        if kind == "stragglers":
+            schedule = chaos.straggler_schedule(seed, world, steps)
+        elif kind == "layouts":
             schedule = layout_schedule(seed, world, steps)
         elif kind == "checkouts":
             schedule = dataclasses.replace(schedule, pp=2)
         out = work / f"{kind}-{seed}"
         shutil.rmtree(out, ignore_errors=True)
-        if kind in ("toy", "sharded", "spread"):
+        if kind in ("toy", "sharded", "spread", "stragglers"):
             if world not in refs:
                 refs[world] = chaos_util.toy_reference(work / f"ref{world}", world)
             outcome, bad, result = chaos_util.run_toy(schedule, out, refs[world], sharded=kind == "sharded",
-                                                      cover="spread" if kind == "spread" else "neighbour")
+                                                      cover="spread" if kind == "spread" else "neighbour",
+                                                      rebalance=kind == "stragglers")
         elif kind == "checkouts":
             outcome, bad, result = chaos_util.run_checkout(schedule, out, checkouts, "mds" if seed % 2 == 0 else "mlm")
         else:
@@ -85,6 +91,10 @@ def run_many(kind: str, seeds, work: Path, world_of, steps: int) -> dict:
             summary["spread_over_several"] = summary.get("spread_over_several", 0) + any(
                 len({r for r, mbs in plan.items() if any(m[0] == f for m in mbs)}) > 1
                 for plan in plans for f in {m[0] for mbs in plan.values() for m in mbs})
+        if kind == "stragglers":  # schedules in which a plan was rebalanced, and the re-plans in all
+            replans = {(e["generation"], e["step"]) for e in chaos.events(out, world, "rebalance")}
+            summary["rebalanced"] = summary.get("rebalanced", 0) + bool(replans)
+            summary["replans"] = summary.get("replans", 0) + len(replans)
         summary["slowest_recovery_s"] = max(summary["slowest_recovery_s"], slowest_recovery(out, world))
         summary["slowest_run_s"] = max(summary["slowest_run_s"], result.elapsed_s)
         if bad:
@@ -115,6 +125,8 @@ def main(argv=None) -> int:
     p.add_argument("--checkout-seeds", type=int, nargs="*", default=None)
     p.add_argument("--spread", type=int, default=60, help='toy schedules with cover "spread" (seeds 3000..)')
     p.add_argument("--spread-seeds", type=int, nargs="*", default=None)
+    p.add_argument("--stragglers", type=int, default=30, help="toy schedules with slow-downs and rebalance (seeds 4000..)")
+    p.add_argument("--straggler-seeds", type=int, nargs="*", default=None)
     p.add_argument("--pretrain-steps", type=int, default=150)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chaos.json")
     args = p.parse_args(argv)
@@ -124,6 +136,7 @@ def main(argv=None) -> int:
     sharded_seeds = args.sharded_seeds if args.sharded_seeds is not None else range(1000, 1000 + args.sharded)
     checkout_seeds = args.checkout_seeds if args.checkout_seeds is not None else range(2000, 2000 + args.checkouts)
     spread_seeds = args.spread_seeds if args.spread_seeds is not None else range(3000, 3000 + args.spread)
+    straggler_seeds = args.straggler_seeds if args.straggler_seeds is not None else range(4000, 4000 + args.stragglers)
     t0 = time.monotonic()
     # a kind run with 0 schedules keeps its results from an earlier run (to rerun one kind only)
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
@@ -187,10 +200,21 @@ def main(argv=None) -> int:
                                              "wall_s": round(time.monotonic() - t5, 1)}
         else:
             results["spread"] = old["spread"]
+        t6 = time.monotonic()
+        if len(straggler_seeds) or "stragglers" not in old:
+            results["stragglers"] = run_many("stragglers", straggler_seeds, work, lambda s: 3 + s % 2,
+                                             chaos_util.TOY["steps"])
+            results["settings"]["stragglers"] = {**chaos_util.TOY, **chaos_util.TOY_TIMEOUTS, "ranks": "3-4",
+                                                 "rebalance": "on, window 2", "slow-downs": "1-2, 1.5x-3x",
+                                                 "approximations": "off (exact fold)",
+                                                 "wall_s": round(time.monotonic() - t6, 1)}
+        else:
+            results["stragglers"] = old["stragglers"]
     results["settings"].pop("wall_s", None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    total = sum(results[kind]["violations"] for kind in ("toy", "pretrain_gpt", "layouts", "sharded", "checkouts", "spread"))
+    total = sum(results[kind]["violations"]
+                for kind in ("toy", "pretrain_gpt", "layouts", "sharded", "checkouts", "spread", "stragglers"))
     print(json.dumps({k: {x: v for x, v in r.items() if x != "failures"} for k, r in results.items() if k != "settings"},
                      indent=2))
     print(f"wrote {args.out}")

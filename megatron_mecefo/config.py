@@ -142,6 +142,10 @@ class MeCeFOConfig:
     rebalance_window: int = 5
     """With rebalance: committed steps a replica stays above (or below) the thresholds before the plan
     changes (>= 2)."""
+    retire_slower_than: Optional[float] = None
+    """With rebalance: a replica whose compute per micro-batch stays above this many times the median
+    replica's for rebalance_window steps is retired as failed (exit 4: restarted, it rejoins), if
+    the others can cover it; above rebalance_threshold. None: slow replicas are only rebalanced."""
     shard_redundancy: str = "neighbour"
     """With a sharded optimizer state (ds_config "zero_optimization.stage": 1, Megatron-LM's
     --use-distributed-optimizer): "neighbour" keeps a copy of each replica's shard, current at every
@@ -240,6 +244,15 @@ class MeCeFOConfig:
                              f"micro-batch over the median replica's), got {value!r}")
         self.rebalance_threshold = float(value)
         self._check_int_range("rebalance_window", 2)
+        if self.retire_slower_than is not None:
+            value = self.retire_slower_than
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > self.rebalance_threshold:
+                raise ValueError(f"{self._where('retire_slower_than')} must be a number above rebalance_threshold "
+                                 f"({self.rebalance_threshold}), got {value!r}")
+            if not self.rebalance:
+                raise ValueError(f"{self._where('retire_slower_than')} needs rebalance on (the replicas' speeds are "
+                                 "measured for it): set --mecefo-rebalance")
+            self.retire_slower_than = float(value)
         self._check_choice("shard_redundancy", SHARD_REDUNDANCY_CHOICES)
         self._check_choice("on_shard_loss", SHARD_LOSS_CHOICES)
         for key in ("collective_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "agree_timeout_s", "join_timeout_s"):
@@ -432,7 +445,7 @@ class MeCeFOConfig:
 _CHOICES = {"basis": BASES, "svd_method": SVD_METHODS, "recompute_ffn": RECOMPUTE_CHOICES, "approximate": APPROXIMATE_CHOICES, "cover": COVER_CHOICES,
             "shard_redundancy": SHARD_REDUNDANCY_CHOICES, "on_shard_loss": SHARD_LOSS_CHOICES}
 _FLAG_KINDS = {"enable": "store_true", "log_param_hash": "bool", "rebalance": "bool", "log_dir": "str", "store": "str",
-               "restart_failed_after": "float", "covering_budget": "float"}
+               "restart_failed_after": "float", "covering_budget": "float", "retire_slower_than": "float"}
 
 
 def field_docs() -> Dict[str, str]:

@@ -34,6 +34,8 @@ def test_defaults_are_the_documented_ones():
         ("rebalance_threshold", 1.0, r'"rebalance_threshold" .* --mecefo-rebalance-threshold must be a number > 1'),
         ("rebalance_threshold", 0.8, r"--mecefo-rebalance-threshold must be a number > 1"),
         ("rebalance_window", 1, r'"rebalance_window" .* --mecefo-rebalance-window must be an integer >= 2, got 1'),
+        ("retire_slower_than", 1.1, r'"retire_slower_than" .* --mecefo-retire-slower-than must be a number above '
+                                    r'rebalance_threshold \(1.2\), got 1.1'),
         ("enable", "yes", r'"enable" .* --mecefo must be true or false'),
         ("skip_attention", 1, r"--mecefo-skip-attention must be true or false"),
         ("lowrank_ffn", None, r"--mecefo-lowrank-ffn must be true or false"),
@@ -42,6 +44,12 @@ def test_defaults_are_the_documented_ones():
 def test_every_invalid_value_names_its_key(key, value, message):
     with pytest.raises(ValueError, match=message):
         MeCeFOConfig.from_ds_config({key: value})
+
+
+def test_retire_slower_than_needs_rebalance():
+    with pytest.raises(ValueError, match=r"--mecefo-retire-slower-than needs rebalance on"):
+        MeCeFOConfig.from_ds_config({"retire_slower_than": 3})
+    assert MeCeFOConfig.from_ds_config({"rebalance": True, "retire_slower_than": 3}).retire_slower_than == 3.0
 
 
 def test_unknown_key_is_rejected_with_the_allowed_list():

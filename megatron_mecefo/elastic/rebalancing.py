@@ -16,8 +16,11 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 from megatron_mecefo.elastic.current import Current
+from megatron_mecefo.elastic.leaving import retire
 from megatron_mecefo.elastic.plan.cover_plan import CoverPlan
 from megatron_mecefo.elastic.plan.rebalance import SlowWatch, rebalance, replica_times
+from megatron_mecefo.elastic.plan.topology import ring_cover
+from megatron_mecefo.errors import NoCoverAvailable
 
 __all__ = ["Rebalancing"]
 
@@ -27,16 +30,20 @@ class Rebalancing:
 
     Args:
         now: where this rank stands (its plan is replaced at step boundaries).
-        threshold, window: MeCeFOConfig.rebalance_threshold / rebalance_window.
+        threshold, window, retire_above: MeCeFOConfig.rebalance_threshold / rebalance_window /
+            retire_slower_than.
+        may_retire: a replica can leave without losing state (False: a sharded optimizer state
+            without neighbour copies).
         events, log: the runtime's event log and logger.
     """
 
-    def __init__(self, now: Current, *, threshold: float, window: int, events, log) -> None:
-        self.now, self.threshold, self.window = now, threshold, window
-        self._events, self._log = events, log
+    def __init__(self, now: Current, *, threshold: float, window: int, retire_above: Optional[float] = None,
+                 may_retire: bool = True, events, log) -> None:
+        self.now, self.threshold, self.window, self.retire_above = now, threshold, window, retire_above
+        self._may_retire, self._events, self._log = may_retire, events, log
         self._generation: Optional[int] = None
         self._base: Optional[CoverPlan] = None
-        self._watch = SlowWatch(threshold, window)
+        self._watch = SlowWatch(threshold, window, retire_above)
         self._pending = False
         self.replans = 0
         """Changes of plan for speed so far (events "rebalance")."""
@@ -68,11 +75,13 @@ class Rebalancing:
         now = self.now
         if self._generation != now.generation:
             self._generation, self._base = now.generation, now.plan
-            self._watch, self._pending = SlowWatch(self.threshold, self.window), False
+            self._watch, self._pending = SlowWatch(self.threshold, self.window, self.retire_above), False
             return
         if not self._pending:
             return
         self._pending = False
+        if self._watch.too_slow:
+            self._retire_too_slow()
         base, factors = self._base, dict(self._watch.factors)
         fold = rebalance(base.fold, factors, base.costs) if factors else base.fold
         if fold.assignments == now.plan.fold.assignments:  # a new factor, the same deal: no change of plan
@@ -85,7 +94,7 @@ class Rebalancing:
         self._events.write("rebalance", step=now.step, generation=now.generation,
                            factors={str(r): round(f, 4) for r, f in sorted(factors.items())},
                            micro_batches=counts, slowest_ratio=max(predicted.values()) / normal,
-                           replans=self.replans)
+                           replans=self.replans, plan=now.plan.summary(now.k))
         if factors:
             self._log.warning("step %d: replicas %s slow (x%s): micro-batches per replica %s, slowest replica "
                               "%.2fx a normal step predicted", now.step, sorted(factors),
@@ -93,3 +102,34 @@ class Rebalancing:
                               max(predicted.values()) / normal)
         else:
             self._log.warning("step %d: no replica slow any more: back to the generation's plan", now.step)
+
+    def _retire_too_slow(self) -> None:
+        """Replicas above retire_slower_than leave as failed (exit 4; restarted, they rejoin), each
+        only if the others can still cover every lost replica; every member decides alike. The
+        others find them gone in this step's collectives and recover as from a crash."""
+        now, too_slow = self.now, dict(self._watch.too_slow)
+        self._watch.too_slow.clear()  # decided once per window
+        out: List[int] = []
+        for r in sorted(too_slow) if self._may_retire else ():
+            stay = [rank for rep in now.cover.live if rep != r and rep not in out
+                    for rank in now.grid.ranks_of_replica(rep)]
+            try:
+                ring_cover(now.grid, stay)
+            except NoCoverAvailable:
+                continue
+            out.append(r)
+        kept = sorted(set(too_slow) - set(out))
+        self._events.write("retire_slow", step=now.step, generation=now.generation, replicas=out, kept=kept,
+                           factors={str(r): round(f, 4) for r, f in sorted(too_slow.items())})
+        if kept:
+            self._log.warning("step %d: replicas %s are slower than retire_slower_than (%s) but stay: %s", now.step,
+                              kept, self.retire_above, "the others could not cover them" if self._may_retire else
+                              "a sharded optimizer state without neighbour copies would lose their shards")
+        if now.replica in out:
+            f = too_slow[now.replica]
+            retire(self._events, now.rank, now.generation, now.members,
+                   f"its replica {now.replica} is x{f:.2f} slower than the median, above retire_slower_than "
+                   f"({self.retire_above})", reason="slow", step=now.step, factor=f)
+        if out:
+            self._log.warning("step %d: replicas %s retired as failed (slower than retire_slower_than %s)",
+                              now.step, out, self.retire_above)

@@ -171,8 +171,10 @@ class ElasticRuntime:
         self.marks = HostMarks(self.store, self.now, self.membership)
         """The host's marks in the job's store (marks.py)."""
         self._costs = costs or CostMeter()
-        self._rebalancing = Rebalancing(self.now, threshold=config.rebalance_threshold, window=config.rebalance_window,
-                                        events=self.events, log=self.log) if config.rebalance else None
+        self._rebalancing = Rebalancing(
+            self.now, threshold=config.rebalance_threshold, window=config.rebalance_window,
+            retire_above=config.retire_slower_than, events=self.events, log=self.log,
+            may_retire=sharding is None or config.shard_redundancy == "neighbour") if config.rebalance else None
         self.latch = StepLatch(group=lambda: self.now.group, fold=lambda: self.now.plan.fold, fire=self._fire,
                                aborted=lambda: self._committer.step_aborted(), issued=self.now.micro_batches_run,
                                costs=self._costs, computed=lambda: self.injector.stretch(self.now.step),

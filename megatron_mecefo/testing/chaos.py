@@ -38,7 +38,8 @@ from megatron_mecefo.elastic.plan.topology import CoverMap, Grid, ring_cover
 from megatron_mecefo.errors import NoCoverAvailable
 from megatron_mecefo.log import read_jsonl
 
-__all__ = ["Fault", "Schedule", "random_schedule", "run_schedule", "check_run", "check_steps", "generation_plans", "time_bound", "RunResult"]
+__all__ = ["Fault", "Schedule", "random_schedule", "straggler_schedule", "run_schedule", "check_run", "check_steps",
+           "generation_plans", "time_bound", "RunResult"]
 
 _TRAIN_PHASES = ("forward", "backward", "allreduce", "optimizer", "recovery", "admit")
 _REJOIN_PHASES = ("join", "transfer", "forward", "allreduce")
@@ -54,8 +55,14 @@ class Fault:
     """The step it fires at, or "*" (the first time the rank reaches `phase`)."""
     phase: str
     incarnation: int = 0
+    factor: float = 1.0
+    """A "slow" fault: the rank's compute takes this many times as long from `step` ..."""
+    until: Optional[int] = None
+    """... up to this step (None: to the end)."""
 
     def flag(self) -> str:
+        if self.kind == "slow":
+            return f"slow:{self.rank}:{self.factor:g}:{self.step}" + (f":{self.until}" if self.until is not None else "")
         if self.kind == "hold":
             return f"hold:{self.rank}:{self.step}:{self.incarnation}"
         text = f"{self.kind}:{self.rank}:{self.step}:{self.phase}"
@@ -123,6 +130,22 @@ def random_schedule(seed: int, world: int, steps: int, *, max_faults: int = 4,
     return Schedule(seed, world, steps, tuple(faults), restart_after)
 
 
+def straggler_schedule(seed: int, world: int, steps: int) -> Schedule:
+    """`random_schedule`'s kills and hangs with one or two slow-downs (1.5x to 3x, some transient)
+    laid over them: one before the first fault, so a rebalanced plan is in place when it strikes,
+    the other anywhere."""
+    base = random_schedule(seed, world, steps)
+    rng = random.Random(10_000 + seed)
+    first = min(f.step for f in base.faults if isinstance(f.step, int)) if any(
+        isinstance(f.step, int) for f in base.faults) else steps // 2
+    slow = []
+    for i in range(rng.randint(1, 2)):
+        start = rng.randrange(0, max(1, first - 2)) if i == 0 else rng.randrange(0, steps - 2)
+        until = None if rng.random() < 0.5 else min(steps, start + rng.randint(3, 12))
+        slow.append(Fault("slow", rng.randrange(world), start, "allreduce", 0, rng.choice((1.5, 2.0, 3.0)), until))
+    return dataclasses.replace(base, faults=base.faults + tuple(slow))
+
+
 def time_bound(*, faults: int, collective_timeout_s: float, agree_timeout_s: float, heartbeat_timeout_s: float,
                restart_after: Optional[float], startup_s: float, fault_free_s: float) -> float:
     """The longest a run may take: a fault-free run, plus per fault a detection (collective
@@ -177,10 +200,19 @@ def events(log_dir: Path, world: int, name: str) -> List[dict]:
     return [e for r in range(world) for e in read_jsonl(log_dir / f"events_rank{r}.jsonl") if e["event"] == name]
 
 
-def generation_plans(log_dir: Path, world: int) -> Dict[int, dict]:
+def generation_plans(log_dir: Path, world: int) -> Dict:
     """Generation -> its plan's assignments as the regroup events logged them (replicas absent run
-    their own k micro-batches)."""
-    return {e["generation"]: e["plan"]["assignments"] for e in events(log_dir, world, "regroup") if "plan" in e}
+    their own k micro-batches); (generation, step) -> the plan from that step on where a rebalance
+    event (fail-slow) replaced it."""
+    plans: Dict = {e["generation"]: e["plan"]["assignments"] for e in events(log_dir, world, "regroup") if "plan" in e}
+    plans.update({(e["generation"], e["step"]): e["plan"]["assignments"] for e in events(log_dir, world, "rebalance")})
+    return plans
+
+
+def _plan_at(plans: Dict, generation: int, step: int) -> Optional[dict]:
+    """The assignments generation `generation` ran `step` with (`generation_plans`), or None."""
+    since = [s for g, s in (key for key in plans if isinstance(key, tuple)) if g == generation and s <= step]
+    return plans[(generation, max(since))] if since else plans.get(generation)
 
 
 def check_steps(records: Dict[int, List[dict]], grid: Grid, k: int, last: int,
@@ -219,10 +251,10 @@ def _died_after_commit(step: int, records: Dict[int, List[dict]], grid: Grid, k:
         if later:
             bad.append(f"rank {rank} has no record of step {step}, yet generation {generation} went on with it "
                        f"(step {later[0]})")
-        replica = grid.replica_of(rank)
-        if generation in plans:
-            ran[grid.position(rank)] += [(m[0], m[1]) for m in plans[generation].get(str(replica),
-                                                                                  [[replica, j] for j in range(k)])]
+        replica, assignments = grid.replica_of(rank), _plan_at(plans, generation, step)
+        if assignments is not None:
+            ran[grid.position(rank)] += [(m[0], m[1]) for m in assignments.get(str(replica),
+                                                                                [[replica, j] for j in range(k)])]
         else:
             ran[grid.position(rank)] += [(m.replica, m.index) for m in fold_neighbor(plan, k).micro_batches(replica)]
     return ran, bad

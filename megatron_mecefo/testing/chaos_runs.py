@@ -46,16 +46,18 @@ def toy_bound(schedule: chaos.Schedule, timeouts: Optional[dict] = None, startup
 
 
 def run_toy(schedule: chaos.Schedule, out: Path, reference: Optional[dict], step_sleep: float = TOY["step_sleep"],
-            sharded: bool = False, cover: str = "neighbour", timeouts: Optional[dict] = None,
+            sharded: bool = False, cover: str = "neighbour", rebalance: bool = False, timeouts: Optional[dict] = None,
             startup_s: float = 8.0, fault_free_s: float = 20.0) -> tuple:
     """Run one schedule on the toy job (`sharded`: the Adam state sharded with neighbour copies;
-    `cover`: the cover policy; `timeouts`, `startup_s`, `fault_free_s`: for many ranks on few
-    cores); returns (outcome, violations, result)."""
+    `cover`: the cover policy; `rebalance`: fail-slow on, a window of 2 steps; `timeouts`,
+    `startup_s`, `fault_free_s`: for many ranks on few cores); returns (outcome, violations, result)."""
     timeouts = timeouts or TOY_TIMEOUTS
     script = [str(TOY_SCRIPT), "--out", str(out), "--steps", str(schedule.steps),
               "--k", str(TOY["k"]), "--mb", str(TOY["mb"]), "--step-sleep", str(step_sleep),
-              *EXACT, *timeout_flags(timeouts), *(["--sharded"] if sharded else []), "--mecefo-cover", cover]
-    bound = toy_bound(schedule, timeouts, startup_s, fault_free_s) + 2 * step_sleep * TOY["k"] * schedule.steps
+              *EXACT, *timeout_flags(timeouts), *(["--sharded"] if sharded else []), "--mecefo-cover", cover,
+              *(["--mecefo-rebalance", "--mecefo-rebalance-window", "2"] if rebalance else [])]
+    slowest = max([f.factor for f in schedule.faults if f.kind == "slow"], default=1.0)
+    bound = toy_bound(schedule, timeouts, startup_s, fault_free_s) + 2 * slowest * step_sleep * TOY["k"] * schedule.steps
     result = chaos.run_schedule(schedule, script, out, limit_s=bound + 60, cwd=str(ROOT))
     outcome, bad = chaos.check_run(result, out, schedule, k=TOY["k"], bound_s=bound)
     if outcome == "finished" and reference is not None:

@@ -55,6 +55,24 @@ def test_a_kill_during_a_rebalanced_step_leaves_a_cover_plan_rebalanced_anew(tmp
     assert all(ran[s][2] == gen1["2"] for s in range(7, STEPS)), ran
 
 
+def test_a_replica_slower_than_retire_slower_than_is_retired_and_rejoins(tmp_path, references):
+    """Rank 2 four times as slow in steps 1..4, retire_slower_than 3, a window of 2: after steps 1
+    and 2 every member names it too slow; at step 3 it leaves (exit 4), the others cover it, the
+    launcher restarts it and it rejoins (the job waits for it at step 7); the math is unchanged."""
+    proc, _ = launch(tmp_path, 4, "--step-sleep", "0.1", "--mecefo-rebalance", "--mecefo-rebalance-window", "2",
+                     "--mecefo-retire-slower-than", "3", "--mecefo-inject", "slow:2:4:1:5",
+                     "--mecefo-inject", "hold:2:7:1", restart_after=0.5)
+    check_run(tmp_path, 4, [0, 1, 2, 3], references[4], proc)
+    (retired,) = events(tmp_path, 2, "retired")
+    assert retired["reason"] == "slow" and retired["step"] == 3 and retired["factor"] > 3, retired
+    decided = [events(tmp_path, r, "retire_slow") for r in (0, 1, 3)]
+    assert all([(e["step"], e["replicas"]) for e in d] == [(3, [2])] for d in decided), decided
+    regroups = [e for e in events(tmp_path, 0, "regroup") if e["generation"] > 0]
+    assert 2 not in regroups[0]["members"] and regroups[0]["cover"] == {"2": 3}, regroups[0]
+    assert any(e["joiners"] == [2] for e in regroups), "the retired rank rejoined"
+    assert "retired as failed (slower than retire_slower_than 3.0)" in proc.stderr
+
+
 def test_without_rebalance_a_slow_replica_keeps_its_micro_batches(tmp_path, references):
     proc, _ = launch(tmp_path, 3, "--step-sleep", "0.05", "--mecefo-inject", "slow:1:2:1")
     records = check_run(tmp_path, 3, [0, 1, 2], references[3], proc)

@@ -15,7 +15,9 @@ so the factor is against a normal speed):
   lies more than a share (threshold - 1) / 2 above or below it: a re-plan per real change of speed,
   none on noise or in the middle of a change.
 
-A new generation starts a new watch (the runtime resets it): its members saw the same steps.
+A replica above `retire_above` (retire_slower_than) over a whole window is named in `too_slow`: the
+runtime retires it if the others can cover it. A new generation starts a new watch (the runtime
+resets it): its members saw the same steps.
 
 Plan: `rebalance(fold, factors, costs)` moves micro-batches, whole and in the mode the cover plan
 gave them (the math does not change: the same micro-batches in the same global batch, the same
@@ -30,7 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
-from typing import Deque, Dict, Mapping
+from typing import Deque, Dict, Mapping, Optional
 
 from megatron_mecefo.elastic.plan.cover_plan import Costs
 from megatron_mecefo.elastic.plan.fold import Fold
@@ -41,15 +43,17 @@ __all__ = ["SlowWatch", "rebalance", "replica_times"]
 class SlowWatch:
     """The slow replicas of one generation and their planned factors (see the module docstring)."""
 
-    def __init__(self, threshold: float, window: int) -> None:
+    def __init__(self, threshold: float, window: int, retire_above: Optional[float] = None) -> None:
         if not threshold > 1 or window < 2:
             raise ValueError(f"a slow replica needs threshold > 1 and window >= 2, got {threshold}, {window}")
-        self.threshold, self.window = threshold, window
+        self.threshold, self.window, self.retire_above = threshold, window, retire_above
         self.band = (threshold - 1) / 2
         self.recovered_below = 1 + self.band
         self._seen: Dict[int, Deque[float]] = {}
         self.factors: Dict[int, float] = {}
         """Replica -> its planned slowdown factor (> 1); replicas not named run at 1."""
+        self.too_slow: Dict[int, float] = {}
+        """Replica -> its factor, for replicas above `retire_above` over a whole window."""
 
     def observe(self, per_micro_batch: Mapping[int, float]) -> bool:
         """One committed step's seconds per micro-batch by live replica. True: the factors changed."""
@@ -64,6 +68,9 @@ class SlowWatch:
             if len(seen) < self.window:
                 continue
             now, planned = statistics.median(seen), self.factors.get(r)
+            if self.retire_above is not None and min(seen) > self.retire_above and r not in self.too_slow:
+                self.too_slow[r] = now
+                changed = True
             if planned is None and min(seen) > self.threshold:
                 self.factors[r] = now
             elif planned is not None and max(seen) < self.recovered_below:
