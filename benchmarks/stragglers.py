@@ -77,7 +77,7 @@ def plot(result: dict, path: Path) -> None:
     runs = {r["name"]: r for r in result["runs"]}
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
     healthy = steady(runs["healthy"], 1)
-    for name, style in (("healthy", "k-"), ("slow2.0", "r--"), ("slow2.0+rebalance", "r-"), ("slow1.5", "b--"),
+    for name, style in (("healthy", "k-"), ("slow2", "r--"), ("slow2+rebalance", "r-"), ("slow1.5", "b--"),
                         ("slow1.5+rebalance", "b-")):
         a.plot(range(2, len(runs[name]["step_s"]) + 2), [t / healthy for t in runs[name]["step_s"]], style,
                label=name, lw=1)
