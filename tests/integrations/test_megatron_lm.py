@@ -123,6 +123,28 @@ def test_distributed_optimizer_is_sharded_through_a_kill_a_rejoin_and_a_hang(mlm
         assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
 
 
+@pytest.mark.fault
+def test_a_slow_replica_sheds_micro_batches_in_upstreams_schedule(mlm_checkout, tmp_path, shared_run):
+    """`--mecefo-rebalance` with 3 replicas, rank 1 three times as slow from step 2: after a window
+    of 2 steps it runs 1 micro-batch and another replica 3 in upstream's schedule (whose
+    micro-batch count follows the plan); the losses are the fault-free run's."""
+    free = _exact_3_replicas(mlm_checkout, shared_run)
+    assert free.returncode == 0, free.stdout[-4000:]
+    log_dir = tmp_path / "log"
+    slow = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + [
+        "--mecefo-log-dir", str(log_dir), "--mecefo-rebalance", "--mecefo-rebalance-window", "2",
+        "--mecefo-inject", "slow:1:3:2"]))
+    assert slow.returncode == 0, slow.stdout[-4000:]
+    want, got = mds.losses(free.stdout), mds.losses(slow.stdout)
+    assert sorted(got) == sorted(want) == list(range(1, 13))
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=1e-5, abs=1e-6), it
+    mds.check_whole_and_identical(log_dir, dp=3, k=2, iters=12)
+    ran = {rec["rank"]: len(rec["micro_batches"]) for rec in mds.step_records(log_dir)[11]}
+    assert ran[1] == 1 and sorted(ran.values()) == [1, 2, 3], ran
+    assert "replicas [1] slow (x" in slow.stdout
+
+
 def _sharded_kill_and_rejoin(checkout, flags, ckpt, log_dir):
     """3 replicas with --use-distributed-optimizer: rank 1 SIGKILLed after step 4's commit,
     restarted, rejoined after step 8; the checkpoint of iteration 10 saved."""
