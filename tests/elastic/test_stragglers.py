@@ -21,7 +21,7 @@ def test_a_transient_straggler_sheds_micro_batches_and_takes_them_back(tmp_path,
     """D = 4, k = 2, rank 2 twice as slow in steps 1..5, a window of 2 steps: slow after steps 1 and
     2 committed, so step 3 runs rebalanced (rank 2 one micro-batch, one other replica three); fast
     again after steps 6 and 7, so step 8 runs the even plan."""
-    proc, _ = launch(tmp_path, 4, "--step-sleep", "0.1", "--mecefo-rebalance", "--mecefo-rebalance-window", "2",
+    proc, _ = launch(tmp_path, 4, "--step-sleep", "0.2", "--mecefo-rebalance", "--mecefo-rebalance-window", "2",
                      "--mecefo-inject", "slow:2:2:1:6")
     records = check_run(tmp_path, 4, [0, 1, 2, 3], references[4], proc)
     plans = [[(e["step"], e["micro_batches"], sorted(e["factors"])) for e in events(tmp_path, r, "rebalance")]
@@ -41,7 +41,7 @@ def test_a_kill_during_a_rebalanced_step_leaves_a_cover_plan_rebalanced_anew(tmp
     """Rank 2 twice as slow from step 1 (rebalanced from step 3); rank 1 killed in step 5's backward.
     The new generation starts from its cover plan, rank 2 (rank 1's ring neighbour) running 2k
     micro-batches while slow, and after two committed steps in it sheds them again (step 7)."""
-    proc, _ = launch(tmp_path, 4, "--step-sleep", "0.1", "--mecefo-rebalance", "--mecefo-rebalance-window", "2",
+    proc, _ = launch(tmp_path, 4, "--step-sleep", "0.2", "--mecefo-rebalance", "--mecefo-rebalance-window", "2",
                      "--mecefo-inject", "slow:2:2:1", "--mecefo-inject", "kill:1:5:backward")
     records = check_run(tmp_path, 4, [0, 2, 3], references[4], proc)
     plans = [[(e["generation"], e["step"], e["micro_batches"]) for e in events(tmp_path, r, "rebalance")]
@@ -59,7 +59,7 @@ def test_a_replica_slower_than_retire_slower_than_is_retired_and_rejoins(tmp_pat
     """Rank 2 four times as slow in steps 1..4, retire_slower_than 3, a window of 2: after steps 1
     and 2 every member names it too slow; at step 3 it leaves (exit 4), the others cover it, the
     launcher restarts it and it rejoins (the job waits for it at step 7); the math is unchanged."""
-    proc, _ = launch(tmp_path, 4, "--step-sleep", "0.1", "--mecefo-rebalance", "--mecefo-rebalance-window", "2",
+    proc, _ = launch(tmp_path, 4, "--step-sleep", "0.2", "--mecefo-rebalance", "--mecefo-rebalance-window", "2",
                      "--mecefo-retire-slower-than", "3", "--mecefo-inject", "slow:2:4:1:5",
                      "--mecefo-inject", "hold:2:7:1", restart_after=0.5)
     check_run(tmp_path, 4, [0, 1, 2, 3], references[4], proc)

@@ -274,7 +274,7 @@ def test_pipeline_engine_runs_a_rebalanced_plan(mds_checkout, tmp_path, shared_r
     upstream = _upstream_pipeline_run(root, data, tmp_path, shared_run)
     log_dir = tmp_path / "log"
     slow = mds.mecefo_launch(root, 4, _pipeline_engine_args(data, tmp_path, _EXACT + [
-        "--mecefo-log-dir", str(log_dir), "--mecefo-rebalance", "--mecefo-rebalance-window", "2",
+        "--mecefo-log-dir", str(log_dir), "--mecefo-rebalance", "--mecefo-rebalance-window", "3",
         "--mecefo-inject", "slow:3:3:2"]))
     mds.assert_same_run(upstream, upstream, slow, iters=12, evals=(5, 10))
     mds.check_whole_and_identical(log_dir, dp=2, k=2, iters=12, pp=2)

@@ -126,13 +126,13 @@ def test_distributed_optimizer_is_sharded_through_a_kill_a_rejoin_and_a_hang(mlm
 @pytest.mark.fault
 def test_a_slow_replica_sheds_micro_batches_in_upstreams_schedule(mlm_checkout, tmp_path, shared_run):
     """`--mecefo-rebalance` with 3 replicas, rank 1 three times as slow from step 2: after a window
-    of 2 steps it runs 1 micro-batch and another replica 3 in upstream's schedule (whose
+    of 3 steps it runs 1 micro-batch and another replica 3 in upstream's schedule (whose
     micro-batch count follows the plan); the losses are the fault-free run's."""
     free = _exact_3_replicas(mlm_checkout, shared_run)
     assert free.returncode == 0, free.stdout[-4000:]
     log_dir = tmp_path / "log"
     slow = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + [
-        "--mecefo-log-dir", str(log_dir), "--mecefo-rebalance", "--mecefo-rebalance-window", "2",
+        "--mecefo-log-dir", str(log_dir), "--mecefo-rebalance", "--mecefo-rebalance-window", "3",
         "--mecefo-inject", "slow:1:3:2"]))
     assert slow.returncode == 0, slow.stdout[-4000:]
     want, got = mds.losses(free.stdout), mds.losses(slow.stdout)
