@@ -15,6 +15,7 @@ job (the lowest rank's join-count read and progress mark), and a heartbeat threa
     python benchmarks/healthy_overhead.py --tp 2 --ranks 4     # D=2 x T=2: healthy_overhead_tp2.{json,png}
     python benchmarks/healthy_overhead.py --pp 2 --ranks 4     # D=2 x P=2: healthy_overhead_pp2.{json,png}
     python benchmarks/healthy_overhead.py --ranks 4 --baseline efb62c9   # + that commit's --mecefo in each repeat
+    python benchmarks/healthy_overhead.py --ranks 4 --rebalance --baseline HEAD   # --mecefo-rebalance beside --mecefo
 
 With tensor or pipeline parallelism both runs go through Megatron-Core's schedule; the plain run
 reduces with DeepSpeed's allreduce_gradients, the MeCeFO run with one all-reduce per (tp, pp)
@@ -50,9 +51,11 @@ def model_args(args) -> list:
 
 
 def run(args, mecefo: bool, tree: Path = ROOT) -> dict:
-    """One job, from this tree or from a baseline's (`tree`)."""
+    """One job, from this tree or from a baseline's (`tree`); this tree's --mecefo run with
+    --mecefo-rebalance when asked (`--rebalance`)."""
+    flags = (["--mecefo"] + (["--mecefo-rebalance"] if args.rebalance and tree == ROOT else [])) if mecefo else []
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(args.ranks),
-           "--master-port", "0", str(tree / EXAMPLE.relative_to(ROOT)), *model_args(args), *(["--mecefo"] if mecefo else [])]
+           "--master-port", "0", str(tree / EXAMPLE.relative_to(ROOT)), *model_args(args), *flags]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=tree, env=baseline.env_for(tree), capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
@@ -108,6 +111,9 @@ def main(argv=None) -> int:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--baseline", default=None, metavar="COMMIT",
                    help="also run --mecefo from this earlier commit, in each repeat beside this tree's")
+    p.add_argument("--rebalance", action="store_true",
+                   help="this tree's --mecefo run with --mecefo-rebalance (the baseline's without): "
+                        "healthy_overhead_rebalance.json")
     p.add_argument("--out", type=Path, default=None, help="default: results/healthy_overhead[_tp2|_pp2].json")
     args = p.parse_args(argv)
     with contextlib.ExitStack() as stack:
@@ -117,7 +123,8 @@ def main(argv=None) -> int:
 
 def measure(args, base_tree) -> int:
     suffix = "".join(f"_{n}{v}" for n, v in (("tp", args.tp), ("pp", args.pp)) if v > 1)
-    args.out = args.out or ROOT / "benchmarks" / "results" / f"healthy_overhead{suffix}.json"
+    args.out = args.out or ROOT / "benchmarks" / "results" / \
+        f"healthy_overhead{suffix}{'_rebalance' if args.rebalance else ''}.json"
     layout = f"D={args.ranks // (args.tp * args.pp)} x T={args.tp} x P={args.pp}" if suffix else "dp only (tp = pp = 1)"
     pairs = []
     for i in range(args.repeats):
@@ -134,7 +141,7 @@ def measure(args, base_tree) -> int:
     ratios = [p["ratio"] for p in pairs]
     result = {
         "settings": {"ranks": args.ranks, "iters": args.iters, "log_interval": args.log_interval, "hidden": args.hidden,
-                     "seq": args.seq, "layers": 2, "micro_batch": 4, "layout": layout},
+                     "seq": args.seq, "layers": 2, "micro_batch": 4, "layout": layout, "rebalance": args.rebalance},
         "pairs": pairs,
         "ratio_median": round(statistics.median(ratios), 4), "ratio_min": min(ratios), "ratio_max": max(ratios),
         "target_ratio": 1.01,
