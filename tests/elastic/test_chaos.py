@@ -322,3 +322,25 @@ def test_spread_compound_schedule(tmp_path, toy_references, name, schedule):
         assert {e["generation"]: e["members"] for e in chaos.events(tmp_path, 4, "regroup") if e["rank"] == 2}[2] == [2, 3]
         assert plans[2] == {"2": [[2, 0, False], [2, 1, False], [0, 0, False], [0, 1, False]],
                             "3": [[3, 0, False], [3, 1, False], [1, 0, False], [1, 1, False]]}
+
+
+@pytest.mark.unit
+def test_a_member_that_died_after_a_rebalanced_commit_ran_the_rebalanced_plan():
+    """D = 3, k = 2: from step 2 replica 1 runs one micro-batch and replica 0 three (a rebalance
+    event); rank 1 dies after step 3's commit, before its record. The checker counts what the
+    rebalanced plan gave it; with the generation's even plan the batch would not add up."""
+    from megatron_mecefo.elastic.plan.topology import Grid
+
+    grid = Grid(dp=3)
+
+    def rec(rank, step, mbs):
+        return {"rank": rank, "step": step, "generation": 0, "live": [0, 1, 2], "cover": {},
+                "micro_batches": [[d, j, False] for d, j in mbs], "param_sha256": "h"}
+
+    even = {0: [(0, 0), (0, 1)], 1: [(1, 0), (1, 1)], 2: [(2, 0), (2, 1)]}
+    shed = {0: [(0, 0), (0, 1), (1, 1)], 1: [(1, 0)], 2: [(2, 0), (2, 1)]}
+    records = {s: [rec(r, s, (even if s < 2 else shed)[r]) for r in range(3) if (s, r) != (3, 1)] for s in range(4)}
+    plans = {0: {}, (0, 2): {str(r): [[d, j, False] for d, j in mbs] for r, mbs in shed.items()}}
+    assert chaos.check_steps(records, grid, 2, 4, plans) == []
+    bad = chaos.check_steps(records, grid, 2, 4, {0: {}})
+    assert bad and "step 3 did not consume the global batch exactly once" in bad[0], bad
