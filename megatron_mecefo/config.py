@@ -227,36 +227,22 @@ class MeCeFOConfig:
         self._check_choice("recompute_ffn", RECOMPUTE_CHOICES)
         self._check_choice("approximate", APPROXIMATE_CHOICES)
         self._check_choice("cover", COVER_CHOICES)
-        value = self.attention_floor
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise ValueError(f"{self._where('attention_floor')} must be a number in [0, 1], got {value!r}")
-        self.attention_floor = float(value)
-        if self.covering_budget is not None:
-            value = self.covering_budget
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
-                raise ValueError(f"{self._where('covering_budget')} must be a number >= 1 (the slowest replica's step "
-                                 f"time over a normal one's), got {value!r}")
-            self.covering_budget = float(value)
+        self._check_number("attention_floor", lambda v: 0 <= v <= 1, "a number in [0, 1]")
+        self._check_number("covering_budget", lambda v: v >= 1, "a number >= 1 (the slowest replica's step time over "
+                           "a normal one's)", optional=True)
         self._check_bool("rebalance")
-        value = self.rebalance_threshold
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
-            raise ValueError(f"{self._where('rebalance_threshold')} must be a number > 1 (a slow replica's compute per "
-                             f"micro-batch over the median replica's), got {value!r}")
-        self.rebalance_threshold = float(value)
+        self._check_number("rebalance_threshold", lambda v: v > 1, "a number > 1 (a slow replica's compute per "
+                           "micro-batch over the median replica's)")
         self._check_int_range("rebalance_window", 2)
-        if self.retire_slower_than is not None:
-            value = self.retire_slower_than
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > self.rebalance_threshold:
-                raise ValueError(f"{self._where('retire_slower_than')} must be a number above rebalance_threshold "
-                                 f"({self.rebalance_threshold}), got {value!r}")
-            if not self.rebalance:
-                raise ValueError(f"{self._where('retire_slower_than')} needs rebalance on (the replicas' speeds are "
-                                 "measured for it): set --mecefo-rebalance")
-            self.retire_slower_than = float(value)
+        self._check_number("retire_slower_than", lambda v: v > self.rebalance_threshold,
+                           f"a number above rebalance_threshold ({self.rebalance_threshold})", optional=True)
+        if self.retire_slower_than is not None and not self.rebalance:
+            raise ValueError(f"{self._where('retire_slower_than')} needs rebalance on (the replicas' speeds are "
+                             "measured for it): set --mecefo-rebalance")
         self._check_choice("shard_redundancy", SHARD_REDUNDANCY_CHOICES)
         self._check_choice("on_shard_loss", SHARD_LOSS_CHOICES)
         for key in ("collective_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "agree_timeout_s", "join_timeout_s"):
-            self._check_positive(key)
+            self._check_number(key, lambda v: v > 0, "a number > 0")
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
             raise ValueError(
                 f"{self._where('heartbeat_timeout_s')} must be at least twice heartbeat_interval_s "
@@ -273,11 +259,7 @@ class MeCeFOConfig:
                 "an agreement waits for a hung rank until its heartbeat is presumed dead, and a waiting rank "
                 f"takes over from a hung publisher only after that; got {self.agree_timeout_s}. Raise "
                 "agree_timeout_s or lower heartbeat_timeout_s")
-        if self.restart_failed_after is not None:
-            value = self.restart_failed_after
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{self._where('restart_failed_after')} must be a number >= 0, got {value!r}")
-            self.restart_failed_after = float(value)
+        self._check_number("restart_failed_after", lambda v: v >= 0, "a number >= 0", optional=True)
         self._check_int_range("max_restarts", 0)
         if self.store is not None:
             host, _, port = str(self.store).rpartition(":")
@@ -306,10 +288,13 @@ class MeCeFOConfig:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{self._where(key)} must be an integer >= {low}, got {value!r}")
 
-    def _check_positive(self, key: str) -> None:
+    def _check_number(self, key: str, ok, must: str, optional: bool = False) -> None:
+        """A number (not a bool) for which ok(value) holds, stored as a float; None too if `optional`."""
         value = getattr(self, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{self._where(key)} must be a number > 0, got {value!r}")
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            raise ValueError(f"{self._where(key)} must be {must}, got {value!r}")
         setattr(self, key, float(value))
 
     def _check_choice(self, key: str, choices) -> None:

@@ -13,7 +13,7 @@ and a new watch: its members, joiners included, have seen the same committed ste
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from megatron_mecefo.elastic.current import Current
 from megatron_mecefo.elastic.leaving import retire
@@ -32,15 +32,17 @@ class Rebalancing:
         now: where this rank stands (its plan is replaced at step boundaries).
         threshold, window, retire_above: MeCeFOConfig.rebalance_threshold / rebalance_window /
             retire_slower_than.
+        replica_min: the element-wise MIN of a list over this rank's replica (as is at T = P = 1).
         may_retire: a replica can leave without losing state (False: a sharded optimizer state
             without neighbour copies).
         events, log: the runtime's event log and logger.
     """
 
     def __init__(self, now: Current, *, threshold: float, window: int, retire_above: Optional[float] = None,
-                 may_retire: bool = True, events, log) -> None:
+                 replica_min: Callable[[list], list] = lambda flags: flags, may_retire: bool = True, events,
+                 log) -> None:
         self.now, self.threshold, self.window, self.retire_above = now, threshold, window, retire_above
-        self._may_retire, self._events, self._log = may_retire, events, log
+        self._replica_min, self._may_retire, self._events, self._log = replica_min, may_retire, events, log
         self._generation: Optional[int] = None
         self._base: Optional[CoverPlan] = None
         self._watch = SlowWatch(threshold, window, retire_above)
@@ -66,8 +68,13 @@ class Rebalancing:
         return {r: slots[r] for r in self.now.cover.live}
 
     def committed(self, speeds: Optional[Dict[int, float]]) -> None:
-        """The step whose `take` gave `speeds` committed on every member."""
-        if speeds and self._generation == self.now.generation and self._watch.observe(speeds):
+        """The step whose `take` gave `speeds` (this position's) committed on every member. A
+        replica's speed is its slowest position's: with T or P > 1 one MIN of the negated numbers
+        over the replica's ranks (all of them committed the step alike) gives every rank the same."""
+        live = sorted(self.now.cover.live)
+        slowest = self._replica_min([-(speeds or {}).get(r, 0.0) for r in live])
+        speeds = {r: -v for r, v in zip(live, slowest)}
+        if self._generation == self.now.generation and self._watch.observe(speeds):
             self._pending = True
 
     def at_boundary(self) -> None:

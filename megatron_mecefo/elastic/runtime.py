@@ -173,7 +173,8 @@ class ElasticRuntime:
         self._costs = costs or CostMeter()
         self._rebalancing = Rebalancing(
             self.now, threshold=config.rebalance_threshold, window=config.rebalance_window,
-            retire_above=config.retire_slower_than, events=self.events, log=self.log,
+            retire_above=config.retire_slower_than, replica_min=lambda flags: self._committer.replica_min(flags),
+            events=self.events, log=self.log,
             may_retire=sharding is None or config.shard_redundancy == "neighbour") if config.rebalance else None
         self.latch = StepLatch(group=lambda: self.now.group, fold=lambda: self.now.plan.fold, fire=self._fire,
                                aborted=lambda: self._committer.step_aborted(), issued=self.now.micro_batches_run,
@@ -284,16 +285,8 @@ class ElasticRuntime:
         """
         committed = self._guarded(self._committer.commit, record)
         if committed and self._rebalancing is not None:
-            self._rebalancing.committed(self._replica_speeds())
+            self._rebalancing.committed(self.latch.speeds)
         return committed
-
-    def _replica_speeds(self) -> dict:
-        """Seconds per micro-batch by live replica: its slowest position's. The step's statistics
-        summed each position's over the replicas; with T or P > 1 one MIN of the negated numbers over
-        the replica's ranks (all of them committed the step alike) gives every rank the same."""
-        speeds, live = self.latch.speeds or {}, sorted(self.now.cover.live)
-        slowest = self._committer.replica_min([-speeds.get(r, 0.0) for r in live])
-        return {r: -v for r, v in zip(live, slowest)}
 
     def after_optimizer_step(self) -> None:
         """Call after the optimizer step of a committed step. If a collective after the commit
