@@ -15,19 +15,26 @@
    ratio below which MeCeFO beats each other system (`break_even_cover_ratio`).
 3. `no_neighbour`: 32 replicas at rising failure rates: where the ring runs out of neighbours and
    MeCeFO falls back to a checkpoint restart.
+4. `failslow`: the same two layouts under fail-slow episodes (megatron_mecefo/sim/failslow.py:
+   FALCON's durations, a rate calibrated to FALCON's 1.34x delay at 1,024 GPUs, assumed severities),
+   the job's throughput with and without rebalancing (threshold 1.2, window 5); writes also
+   simulate_paper_failslow.png.
 
-    python benchmarks/simulate_paper.py        # ~2 min; writes benchmarks/results/simulate_paper.{json,png}
+    python benchmarks/simulate_paper.py                   # ~4 min; writes benchmarks/results/simulate_paper.{json,png}
+    python benchmarks/simulate_paper.py --only failslow   # redo section 4 alone, keeping the rest of the JSON
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
 from pathlib import Path
 
-from megatron_mecefo.sim import presets, trace as tr
+from megatron_mecefo.elastic.plan.topology import Grid
+from megatron_mecefo.sim import failslow as fs, presets, trace as tr
 from megatron_mecefo.sim.baselines import Reconfigure
 from megatron_mecefo.sim.engine import simulate
 from megatron_mecefo.sim.run import SYSTEMS, Setup, measured_costs, recovery_at, run_all
@@ -166,6 +173,64 @@ def timeline(args, costs):
     return out
 
 
+FAILSLOW_LAYOUTS = {"1024_gpus_tp8_dp128": Grid(tp=8, pp=1, dp=128), "16384_gpus_tp8_pp16_dp128": Grid(tp=8, pp=16, dp=128)}
+
+
+def failslow(args):
+    """Throughput under fail-slows with and without rebalancing. The rate is calibrated once per
+    job-wide share at 1,024 GPUs and applied per GPU at 16,384 (16x the episodes). At the same rate
+    per job, 16,384 GPUs in 128 replicas of 8 micro-batches is the 1,024-GPU job: the model sees
+    replicas, not GPUs."""
+    ref, policy, out = FAILSLOW_LAYOUTS["1024_gpus_tp8_dp128"], fs.Rebalance(threshold=1.2, window=5), {}
+    seeds = max(1, min(args.seeds, 5))
+    for share in (0.5, 0.0):
+        model = fs.calibrate(ref, args.hours, seeds, job_wide_share=share)
+        for name, grid in FAILSLOW_LAYOUTS.items():
+            m = model
+            gpus = grid.tp * grid.pp * grid.dp
+            rows = []
+            for seed in range(seeds):
+                trace = m.trace(gpus, args.hours, seed)
+                rows.append((len(trace), fs.run(trace, grid, args.hours), fs.run(trace, grid, args.hours, policy=policy)))
+            without = statistics.mean(r[1]["slowdown"] for r in rows)
+            with_ = statistics.mean(r[2]["slowdown"] for r in rows)
+            out[f"{name}/job_wide_share_{share}"] = {
+                "per_gpu_per_hour": m.per_gpu_per_hour, "episodes_per_run": statistics.mean(r[0] for r in rows),
+                "slow_time_share": statistics.mean(r[1]["slow_time_share"] for r in rows),
+                "slowdown_without": without, "slowdown_with": with_,
+                "throughput_without": statistics.mean(r[1]["throughput"] for r in rows),
+                "throughput_with": statistics.mean(r[2]["throughput"] for r in rows),
+                "slowdown_removed": (without - with_) / (without - 1) if without > 1 else 0.0,
+                "replans_per_day": statistics.mean(r[2]["replans"] for r in rows) / (args.hours / 24)}
+    return {"model": {"duration_s": list(fs.FailSlowModel(1.0).duration_s), "severity": list(fs.FailSlowModel(1.0).severity),
+                      "calibrated_to": f"unmitigated slowdown {fs.FALCON_JCT_DELAY} at 1,024 GPUs (FALCON's average JCT delay)",
+                      "rebalance": dataclasses.asdict(policy), "micro_batches": 8, "step_s": 10.0, "seeds": seeds,
+                      "sources": "durations and the 1.34x delay: FALCON / Greyhound (arXiv 2410.12588, USENIX ATC '25); "
+                                 "severity and job-wide share: assumed (not reachable); docs/results.md"},
+            "runs": out}
+
+
+def plot_failslow(section, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    keys = list(section["runs"])
+    xs = range(len(keys))
+    for off, key, label in ((-0.2, "throughput_without", "without rebalancing"), (0.2, "throughput_with", "with rebalancing")):
+        ys = [section["runs"][k][key] for k in keys]
+        ax.bar([x + off for x in xs], ys, 0.4, label=label)
+        for x, y in zip(xs, ys):
+            ax.annotate(f"{y:.2f}", (x + off, y), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(xs), [k.replace("_gpus", " GPUs").replace("/", "\n") for k in keys], fontsize=6)
+    ax.set_ylabel("throughput (1 = no fail-slow)")
+    ax.set_title("fail-slows: FALCON durations, rate calibrated to 1.34x at 1,024 GPUs, severity 1.1-3x (assumed)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def plot(result, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -237,15 +302,33 @@ def plot(result, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def print_failslow(section) -> None:
+    for k, r in section["runs"].items():
+        print(f"{k}: slowdown {r['slowdown_without']:.3f} -> {r['slowdown_with']:.3f} ({100 * r['slowdown_removed']:.0f} % removed), "
+              f"{r['replans_per_day']:.1f} re-plans/day, {r['episodes_per_run']:.0f} episodes")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--hours", type=float, default=720.0)
     ap.add_argument("--out", type=Path, default=RESULTS / "simulate_paper.json")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the JSON")
+    ap.add_argument("--only", choices=["failslow"], help="redo this section alone, keeping the rest of --out")
     args = ap.parse_args()
+    failslow_png = args.out.with_name(args.out.stem + "_failslow.png")
     if args.replot:
-        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        result = json.loads(args.out.read_text())
+        plot(result, args.out.with_suffix(".png"))
+        plot_failslow(result["failslow"], failslow_png)
+        return
+    if args.only == "failslow":
+        result = json.loads(args.out.read_text())
+        result["failslow"] = {"date": datetime.date.today().isoformat(),
+                              "command": "python benchmarks/simulate_paper.py --only failslow", **failslow(args)}
+        args.out.write_text(json.dumps(result, indent=1))
+        plot_failslow(result["failslow"], failslow_png)
+        print_failslow(result["failslow"])
         return
     measured = measured_costs()
     cc = json.loads((RESULTS / "covering_cost.json").read_text())
@@ -265,10 +348,13 @@ def main() -> None:
         "scale": scale(args, costs),
         "no_neighbour": no_neighbour(args, costs),
         "timeline": timeline(args, costs),
+        "failslow": failslow(args),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     plot(result, args.out.with_suffix(".png"))
+    plot_failslow(result["failslow"], failslow_png)
+    print_failslow(result["failslow"])
     for m, r in result["paper_table"]["models"].items():
         print(f"{m:5s} mecefo {100 * r['mecefo_drop_at_llama1b_ratio']:.2f} % (setup A {100 * r['mecefo_drop_at_setup_a_ratio']:.2f} %, "
               f"paper {100 * r['paper']['mecefo']:.2f} %, implied c {r['cover_ratio_the_papers_drop_implies']:.3f})  "

@@ -93,3 +93,13 @@ MICRO_BATCHES = 8  # micro-batches per replica and step (ReCycle's bubbles, MeCe
 PAPER_DROP = {"350M": 0.0107, "1B": 0.0298, "7B": 0.0418}  # [paper]
 PAPER_BAMBOO_DROP = {"350M": 0.0704, "1B": 0.0821, "7B": 0.2084}  # [paper]
 PAPER_OOBLECK_DROP = {"350M": 0.1014, "1B": 0.1387, "7B": 0.2809}  # [paper]
+
+# -- fail-slow (sim/failslow.py) -------------------------------------------------------------------
+# FALCON / Greyhound (arXiv 2410.12588, USENIX ATC '25), a 10,000-GPU production cluster: fail-slows
+# last "from tens of seconds to nearly ten hours" and delay the average job's completion by 1.34x [paper]
+FAILSLOW_DURATION_S = (30.0, 10 * HOUR)  # log-uniform over that range [inferred: the shape is ours]
+FALCON_JCT_DELAY = 1.34  # the rate is calibrated so the unmitigated 1,024-GPU job is this slow [paper]
+FAILSLOW_SEVERITY = (1.1, 3.0)  # log-uniform slowdown factor [inferred: the study's distribution unreachable;
+#                                 Greyhound's artifact injects 10-30 % by locking GPU clocks]
+FAILSLOW_JOB_WIDE_SHARE = 0.5  # episodes slowing every replica (a congested DP link) [inferred: FALCON names
+#                                computation and network causes, the split unreachable; 0.0 also reported]
