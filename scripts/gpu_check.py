@@ -2,8 +2,8 @@
 
     python scripts/gpu_check.py [--out benchmarks/results/gpu_check.json] [--skip-covering]
 
-One process per case, each under a timeout (a hazard may hang or kill it); about 6-8 minutes on one
-GPU. Without CUDA it says so and exits 0. It prints each result and writes them all to --out
+One process per case, each under a timeout (a hazard may hang or kill it); about 7-9 minutes on one
+GPU (at most 10). Without CUDA it says so and exits 0. It prints each result and writes them all to --out
 (the covering-cost runs write their own JSON beside it). Cases (docs/design.md, "NCCL"):
 
   versions      torch, CUDA, NCCL (build and runtime), whether the backend supports shrinking
@@ -20,8 +20,20 @@ GPU. Without CUDA it says so and exits 0. It prints each result and writes them 
                 heartbeat timeout; under PyTorch's defaults, under TORCH_NCCL_ASYNC_ERROR_HANDLING=2
                 alone, and under MeCeFO's environment (nccl_env.py). Does the process survive
                 30 s (3x the heartbeat timeout), is CUDA healthy, does a new generation's group work
+  abort_pair    two groups, each with an all-reduce queued behind a 3 s torch.cuda._sleep, aborted
+                one after another (sequential) or as one (grouped: groups.release, the runtime's
+                release of a generation). Does each abort return, how long, does a new group work
+                (pytorch#150690: one after another can hang)
+  shrink        torch.distributed.shrink_group where torch offers it: whether the NCCL backend
+                supports it, the NCCL version's standing (>= 2.27; SHRINK_ABORT hangs from 2.31.2,
+                pytorch PR 194775), and a call that must be refused (excluding the only rank).
+                Recorded, not used by the runtime: a real shrink needs >= 2 GPUs (the parent
+                communicator needs every rank); this tells whether it could replace the rebuild
   covering      benchmarks/covering_cost.py in bf16 at LLaMA-1B and -7B layer sizes: time and peak
                 CUDA memory of a covering rank vs a normal one
+
+The versions case also gives the start-up version check (nccl_env.version_warnings): the known
+hangs of this NCCL, as each rank logs them in its `started` event.
 
 Nothing here has run on a GPU in CI; a result counts once this script has run on one.
 """
@@ -85,6 +97,10 @@ def case_versions(args) -> dict:
     out["supports_shrinking"] = bool(getattr(g, "supports_shrinking", False))
     out["shrink_note"] = "torch.distributed.shrink_group hangs in torch 2.13 with NCCL >= 2.31 (pytorch#194679); not used"
     groups.destroy_group(g, 30)
+    from megatron_mecefo.elastic.comm import nccl_env
+
+    record = nccl_env.version_record("nccl")
+    out.update(record, designed_for=nccl_env.DESIGNED_FOR)
     return out
 
 
@@ -273,8 +289,75 @@ def case_watchdog(args) -> dict:
     return out
 
 
+def case_abort_pair(args) -> dict:
+    """Two groups with collectives pending on the device, aborted one after another or as one
+    (`--backend gloo`: the same path on CPU, nothing pending)."""
+    import torch
+
+    from megatron_mecefo.elastic.comm import groups, nccl_env
+
+    cuda = args.backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(0)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    store = _store()
+    pair = [groups.build_dp_group(store, g, [0], 0, timedelta(seconds=30), args.backend, tag=f"pair{g}") for g in (0, 1)]
+    for group in pair:  # both communicators exist and work
+        groups.allreduce_sum_(group, torch.ones(4, device=device), should_abort=lambda: False)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(3.0 * _cycles_per_s()))  # the next collectives wait behind it, still pending
+    pending = [groups.allreduce_sum_async_(g, torch.ones(1 << 20, device=device)) for g in pair]
+    out = dict(mode=args.mode, backend=args.backend, nccl=nccl_env.version_record(args.backend)["nccl_version"],
+               grouped_by_release=groups._bracket(pair, None) is not None)
+    t0 = time.monotonic()
+    try:
+        if args.mode == "grouped":
+            groups.release(pair, 30)
+            out["abort"] = f"returned in {time.monotonic() - t0:.2f} s"
+        else:
+            out["abort"] = [_timed_abort(g, 30) for g in pair]
+    except groups.AbortHung as e:
+        out["abort"] = f"hung: {e}"
+    _note(out)
+    del pair, pending, group  # the last references: the communicators go with them
+    if cuda:
+        torch.cuda.synchronize()
+        out["new_group_works"] = _new_group_works(store, 10)
+    out["groups_alive"] = groups.alive()
+    return out
+
+
+def case_shrink(args) -> dict:
+    """What torch and NCCL offer for shrinking a group (recorded; the runtime rebuilds instead)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_mecefo.elastic.comm import nccl_env
+
+    torch.cuda.set_device(0)
+    version = nccl_env.runtime_version()
+    out = dict(offered=hasattr(dist, "shrink_group"), nccl=".".join(map(str, version)) if version else None,
+               nccl_has_shrink=bool(version and version >= (2, 27, 0)),
+               shrink_abort_hangs=bool(version and version >= (2, 31, 2)),  # pytorch#194679 / PR 194775
+               one_gpu_limit="a real shrink needs >= 2 GPUs: the parent communicator needs every rank")
+    if not out["offered"]:
+        return out
+    dist.init_process_group("nccl", store=_store(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    backend = dist.group.WORLD._get_backend(torch.device("cuda", 0))
+    out["supports_shrinking"] = bool(getattr(backend, "supports_shrinking", False))
+    _note(out)
+    try:  # must be refused before any communicator is touched
+        dist.shrink_group([0])
+        out["refuses_excluding_every_rank"] = False
+    except (ValueError, TypeError, RuntimeError) as e:
+        out["refuses_excluding_every_rank"] = f"{type(e).__name__}: {str(e)[:160]}"
+    dist.destroy_process_group()  # every rank is alive here: a normal shutdown
+    return out
+
+
 CASES = {"versions": case_versions, "generations": case_generations, "absent_peer": case_absent_peer,
-         "watchdog": case_watchdog}
+         "watchdog": case_watchdog, "abort_pair": case_abort_pair, "shrink": case_shrink}
 
 
 # -- the parent ---------------------------------------------------------------------------------
@@ -361,6 +444,9 @@ def main(argv=None) -> int:
     report["generations"] = run_case("generations", 180)
     report["absent_peer"] = {m: run_case("absent_peer", 90, m) for m in ("nonblocking", "blocking")}
     report["watchdog"] = {m: run_case("watchdog", 120, m) for m in ("mecefo", "async_only", "torch_defaults")}
+    report["abort_pair"] = {m: run_case("abort_pair", 60, m) for m in ("sequential", "grouped")}
+    report["shrink"] = run_case("shrink", 60)
+    report["nccl_warnings"] = report["versions"].get("nccl_warnings")
     if not args.skip_covering:
         report["covering"] = {s: run_covering(s, args.out.parent, 150) for s in COVERING}
     report["elapsed_s"] = time.monotonic() - t0

@@ -102,6 +102,9 @@ def check_rejoined(tmp_path, results, world, victim=1, async_error_handling="2")
         for e in started:
             assert e["nccl_env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == async_error_handling, e
             assert e["nccl_env"]["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0" and e["nccl_env"]["TORCH_NCCL_RETHROW_CUDA_ERRORS"] == "0"
+            assert e["nccl_env"]["NCCL_NVLS_ENABLE"] == "0", e
+            # set by the training process from its configuration: collective_timeout_s (the shipped 60)
+            assert e["nccl_env"]["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "60", e
 
 
 def test_deepspeed_launcher_survives_a_killed_rank_which_rejoins(tmp_path):

@@ -175,7 +175,8 @@ def test_rejoin_after_restart(tmp_path, references):
         # mecefo-launch gave every incarnation NCCL's recovery settings (nccl_env.py)
         for e in (e for e in events if e["event"] == "started"):
             assert e["nccl_env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2", e
-            assert e["nccl_env"]["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0", e
+            assert e["nccl_env"]["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0" and e["nccl_env"]["NCCL_NVLS_ENABLE"] == "0", e
+            assert e["nccl_version"] is None and e["nccl_warnings"] == [], e  # gloo: no NCCL version to check
 
 
 def test_an_abort_that_never_returns_retires_the_rank(tmp_path, references):

@@ -15,9 +15,10 @@ while the caller polls `should_abort` and a deadline: a member that died after t
 otherwise leave the others blocked inside the communicator's init at the first collective, where
 nothing polls (torchft's pattern). The process environment comes from nccl_env.py.
 
-Every abort is bounded (`destroy_group`): NCCL's abort can hang in some versions (pytorch#119215,
-#149153); past the deadline it raises AbortHung and the runtime retires the rank, as it does a rank
-left out of a generation (its launcher restarts it). A destroyed group must not be referenced any
+Every abort is bounded (`destroy_group`, `release`): NCCL's abort can hang in some versions
+(pytorch#119215, #149153); past the deadline it raises AbortHung and the runtime retires the rank,
+as it does a rank left out of a generation (its launcher restarts it). A group is only ever
+aborted, never shut down or destroyed (a destroy waits for a dead peer). A destroyed group must not be referenced any
 more: a communicator's memory (~0.5 GB on a GPU) is freed only with the object (`alive()` counts).
 """
 
@@ -33,7 +34,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["build_dp_group", "destroy_group", "dense_rank", "nccl_options", "connect", "alive", "AbortHung",
+__all__ = ["build_dp_group", "destroy_group", "release", "dense_rank", "nccl_options", "connect", "alive", "AbortHung",
            "allreduce_min_", "replica_min"]
 
 logger = logging.getLogger(__name__)
@@ -145,19 +146,64 @@ def connect(group, device, timeout: timedelta, should_abort: Optional[Callable[[
 
 def destroy_group(group, deadline_s: float = 60.0) -> None:
     """Abort a (possibly broken) group so its communicator, sockets and threads go away, waiting at
-    most `deadline_s` for the abort.
+    most `deadline_s` for the abort (`release` of one group).
 
     Raises:
         AbortHung: the abort did not return in time (the rank must leave the job).
     """
-    if group is None:
+    release([group], deadline_s)
+
+
+def release(backends: Sequence, deadline_s: float = 60.0, nccl_version: Optional[tuple] = None) -> None:
+    """Abort every group in `backends` (a generation's, on this rank) within one deadline, on one
+    helper thread. Abort only: never `shutdown()` or `destroy_process_group` on a group whose peer
+    may be dead (they finalize and destroy the communicator, which waits for the dead peer:
+    pytorch PR 180611). Each NCCL backend's `abort()` aborts all its communicators inside one
+    ncclGroupStart/End from NCCL 2.22 (abortCommsFromMap; pytorch#150690), so a generation keeps
+    its communicators in one backend; several NCCL backends are also bracketed in the first one's
+    `_group_start()` / `_group_end()`, as torch's own `_abort_process_group` does for the world
+    (docs/design.md, "NCCL": what each call does). Errors of groups already broken are ignored.
+
+    Raises:
+        AbortHung: the aborts did not return in time (the rank must leave the job).
+    """
+    live = [g for g in backends if g is not None]
+    if not live:
         return
+    bracket = _bracket(live, nccl_version)
+    errors: list = []
+
+    def abort_all() -> None:
+        if bracket is not None:
+            bracket._group_start()
+        try:
+            for g in live:
+                try:
+                    g.abort()
+                except Exception as e:  # already broken: nothing more to release
+                    errors.append(e)
+        finally:
+            if bracket is not None:
+                bracket._group_end()
+
+    what = "aborting the data-parallel group" if len(live) == 1 else f"aborting {len(live)} groups"
     try:
-        error = _bounded(group.abort, "abort", time.monotonic() + deadline_s)
+        error = _bounded(abort_all, "abort", time.monotonic() + deadline_s)
     except TimeoutError:
-        raise AbortHung(f"aborting the data-parallel group did not return within {deadline_s:g} s") from None
-    if error is not None:  # already broken: nothing more to release
-        logger.debug("abort of a broken group raised %s", error)
+        raise AbortHung(f"{what} did not return within {deadline_s:g} s") from None
+    for e in errors + ([error] if error is not None else []):
+        logger.debug("abort of a broken group raised %s", e)
+
+
+def _bracket(live: Sequence, nccl_version: Optional[tuple]):
+    """The group whose `_group_start`/`_group_end` bracket several NCCL backends' aborts: only
+    where every one is an NCCL backend and the NCCL aborts as a group (>= 2.22)."""
+    if len(live) < 2 or not all(hasattr(g, "_group_start") and hasattr(g, "_group_end") for g in live):
+        return None
+    from megatron_mecefo.elastic.comm import nccl_env
+
+    version = nccl_version if nccl_version is not None else nccl_env.runtime_version()
+    return live[0] if version is not None and tuple(version) >= nccl_env.GROUP_ABORT_SINCE else None
 
 
 class PeerAborted(RuntimeError):

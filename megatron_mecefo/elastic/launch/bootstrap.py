@@ -63,8 +63,10 @@ def init_distributed(backend: str = "gloo", tensor_parallel: int = 1, pipeline_p
     env = LaunchEnv.read()
     grid = replica_grid(env.world, tensor_parallel, pipeline_parallel)
     # NCCL's recovery settings, before any process group exists: already in the environment when
-    # mecefo-launch or the keeper started this process (they reported unsafe values)
-    nccl_env.apply(log=None if env.mecefo_launcher else lambda w: print(f"[mecefo] warning: {w}", file=sys.stderr))
+    # mecefo-launch or the keeper started this process (they reported unsafe values), except the
+    # rows that follow the collective timeout, which only this process knows
+    nccl_env.apply(log=lambda w: print(f"[mecefo] warning: {w}", file=sys.stderr), collective_timeout_s=timeout_s,
+                   launcher_reported=env.mecefo_launcher)
     if not env.mecefo_launcher:
         from megatron_mecefo.elastic.launch.keeper import keep
 
