@@ -1,12 +1,16 @@
 """megatron-mecefo: MeCeFO fault-tolerant training for Megatron-Core and DeepSpeed."""
 
 import glob
+import re
 
 from setuptools import find_packages, setup
 
+# the one source of the version (megatron_mecefo/version.py), read without importing the package
+VERSION = re.search(r'^__version__ = "([^"]+)"', open("megatron_mecefo/version.py", encoding="utf-8").read(), re.M).group(1)
+
 setup(
     name="megatron-mecefo",
-    version="0.1.0",
+    version=VERSION,
     description=(
         "MeCeFO (memory- and computation-efficient fault-tolerant optimization) for "
         "Megatron-Core / DeepSpeed: survive node failures in-process with a cheap neighbor backward"
@@ -14,6 +18,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     license="Apache-2.0",
+    license_files=["LICENSE", "NOTICE"],
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_mecefo", "megatron_mecefo.*"]),
     # torch is deliberately unpinned here: GPU users bring their own CUDA build.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from megatron_mecefo.version import __version__  # the one source (version.py)
 
 _EXPORTS = {
     "MeCeFOConfig": "megatron_mecefo.config",
@@ -40,7 +40,7 @@ _EXPORTS = {
     "FaultInjector": "megatron_mecefo.elastic.faults.inject",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["__version__", *sorted(_EXPORTS)]
 
 
 def __getattr__(name: str):

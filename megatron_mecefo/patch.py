@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_mecefo.version import __version__
+
 __all__ = ["PatchError", "Target", "targets", "status", "apply", "revert", "main"]
 
 PATCHED, UNPATCHED = "patched", "unpatched"
@@ -199,6 +201,7 @@ def revert(checkout: str) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="mecefo-patch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("command", choices=("apply", "check", "revert", "diff"),
                    help="apply / check / revert the patch, or print it")
     p.add_argument("checkout", help="the root of a Megatron-DeepSpeed checkout (or export)")

@@ -61,6 +61,7 @@ from megatron_mecefo.elastic.rebalancing import Rebalancing
 from megatron_mecefo.elastic.regrouping import Regrouping
 from megatron_mecefo.errors import GaveUp, StoreLost
 from megatron_mecefo.log import EventLog, RankPrefix
+from megatron_mecefo.version import __version__
 
 __all__ = ["ElasticRuntime", "StateHooks", "StepPlan"]
 
@@ -223,7 +224,7 @@ class ElasticRuntime:
         nccl = nccl_env.version_record(self._formation.backend)  # the version, and its known hangs
         for warning in nccl["nccl_warnings"]:
             self.log.warning("%s", warning)
-        self.events.write("started", incarnation=self.incarnation, backend=self._formation.backend,
+        self.events.write("started", version=__version__, incarnation=self.incarnation, backend=self._formation.backend,
                           nccl_env=nccl_env.recorded(), **nccl)  # what this process's NCCL runs with (nccl_env.py)
         step = self._guarded(self._start)
         self.rejoined = self._regrouping.rejoined

@@ -79,6 +79,7 @@ from megatron_mecefo.elastic.plan.fold import MicroBatch, micro_batch_policy
 from megatron_mecefo.elastic.reduction import Reduction
 from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
 from megatron_mecefo.rng import rng_state, set_rng_state
+from megatron_mecefo.version import __version__
 
 __all__ = ["Host", "StepDriver", "DrivenHost", "training_state"]
 
@@ -318,7 +319,7 @@ class StepDriver:
     def banner(self, iteration: int) -> str:
         """The start-up lines a host prints once, on its lead rank (not on a rank that rejoined)."""
         rt, z = self.runtime, self.reduction.sharding
-        lines = [f" mecefo: job {rt.job_id} | {self.recompute_note} | starting at iteration {iteration}"]
+        lines = [f" mecefo {__version__}: job {rt.job_id} | {self.recompute_note} | starting at iteration {iteration}"]
         if z is not None:
             lines.append(f" mecefo: optimizer state sharded over {len(z.layout.live)} replicas (shard_redundancy="
                          f"{self.cfg.shard_redundancy}): {z.nbytes() / 2**20:.2f} MiB on this rank, replicated "

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import megatron_mecefo
 from megatron_mecefo.testing import mds
 from tests.data.pretrain import SMALL, valid_loss
 from tests.helpers import ROOT, free_port
@@ -90,6 +91,7 @@ def check_rejoined(tmp_path, results, world, victim=1, async_error_handling="2")
     stdout = "".join(out for _, out, _ in results)
     stderr = "".join(err for _, _, err in results)
     assert f"validation loss at iteration {STEPS}" in stdout and len(valid_loss(stdout)) == 1
+    assert f" mecefo {megatron_mecefo.__version__}: job " in stdout, "the banner names the version"
     assert f"[mecefo-keeper rank {victim}] rank {victim} (pid" in stderr and "killed by SIGKILL" in stderr
     assert f"rank {victim} started (pid" in stderr and "incarnation 1" in stderr
     mds.check_whole_and_identical(tmp_path / "logs", dp=world, k=2, iters=STEPS)

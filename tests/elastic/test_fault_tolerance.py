@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import megatron_mecefo
 from megatron_mecefo.testing import toy_train
 from tests.helpers import run_launcher
 from megatron_mecefo.testing.chaos_runs import TOY_SCRIPT
@@ -177,6 +178,7 @@ def test_rejoin_after_restart(tmp_path, references):
             assert e["nccl_env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2", e
             assert e["nccl_env"]["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0" and e["nccl_env"]["NCCL_NVLS_ENABLE"] == "0", e
             assert e["nccl_version"] is None and e["nccl_warnings"] == [], e  # gloo: no NCCL version to check
+            assert e["version"] == megatron_mecefo.__version__, e  # a bug report says which version ran
 
 
 def test_an_abort_that_never_returns_retires_the_rank(tmp_path, references):

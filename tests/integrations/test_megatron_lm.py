@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import megatron_mecefo
 from megatron_mecefo.testing import mds, mlm
 
 pytestmark = [pytest.mark.dist]
@@ -45,7 +46,7 @@ def test_no_failure_matches_the_unpatched_run(mlm_checkout, tmp_path):
     patched = mlm.torchrun(mlm_checkout, 2, args)
     mecefo = mlm.mecefo_launch(mlm_checkout, 2, args + ["--mecefo", "--mecefo-rank", "16"])
     mds.assert_same_run(orig, patched, mecefo)
-    assert "mecefo: job" in mecefo.stdout
+    assert f"mecefo {megatron_mecefo.__version__}: job" in mecefo.stdout  # the banner names the version
 
 
 @pytest.mark.fault

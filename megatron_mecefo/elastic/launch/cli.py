@@ -47,6 +47,7 @@ from megatron_mecefo.elastic.comm import nccl_env
 from megatron_mecefo.elastic.comm import store as job_store
 from megatron_mecefo.elastic.launch.supervise import Rank, Supervisor
 from megatron_mecefo.errors import USAGE_EXIT_CODE
+from megatron_mecefo.version import __version__
 
 __all__ = ["main"]
 
@@ -55,6 +56,7 @@ logger = logging.getLogger("mecefo-launch")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="mecefo-launch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", "--node_rank", type=int, default=0)

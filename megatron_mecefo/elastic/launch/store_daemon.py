@@ -27,6 +27,7 @@ import time
 
 from megatron_mecefo.elastic.comm.store import STOP_KEY, describe_busy_port, host_store, job_store, new_job_id, request_stop
 from megatron_mecefo.errors import JobConflict
+from megatron_mecefo.version import __version__
 
 __all__ = ["spawn_store_daemon", "main"]
 
@@ -65,7 +66,8 @@ def _alive(pid: int) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="mecefo-store", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (the job's MASTER_ADDR)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--job-id", default=None, help="the job's id (default: a new one, printed)")
