@@ -98,15 +98,14 @@ def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
 class _Job:
     """Replica factors now, the planner's view of them, and the step time they give."""
 
-    def __init__(self, grid: Grid, k: int, step_s: float, policy: Optional[Rebalance]) -> None:
-        self.grid, self.k, self.step_s, self.policy = grid, k, step_s, policy
+    def __init__(self, grid: Grid, k: int, policy: Optional[Rebalance]) -> None:
+        self.grid, self.k, self.policy = grid, k, policy
         self.per_replica = grid.tp * grid.pp
         self.active: Dict[int, List[float]] = {}  # replica -> factors of its active episodes
         self.job_wide: List[float] = []
         self.planned: Dict[int, float] = {}
         self.version: Dict[int, int] = {}
         self.replans = 0
-        self._step = 1.0
 
     def factor(self, r: int) -> float:
         return max(self.active.get(r) or [1.0])
@@ -148,8 +147,8 @@ def run(trace: List[Slow], grid: Grid, hours: float, *, micro_batches: int = 8, 
         policy: Optional[Rebalance] = None) -> Dict[str, float]:
     """The job through `trace` for `hours`: `slowdown` (wall time over healthy time for the same
     steps), `throughput` (its inverse), `replans` and the share of time any replica was slow."""
-    job = _Job(grid, micro_batches, step_s, policy)
-    events: List[tuple] = []  # (t, order, kind, payload)
+    job = _Job(grid, micro_batches, policy)
+    events: List[tuple] = []  # (t, order: ends and decisions before starts, episode, kind, payload)
     for i, s in enumerate(trace):
         heapq.heappush(events, (s.t, 1, i, "start", s))
     horizon, t, progress, slow_time = hours * HOUR, 0.0, 0.0, 0.0

@@ -47,7 +47,7 @@ def test_reduced_fold_gives_the_whole_folds_step_time():
     rng = random.Random(0)
     grid, k = Grid(tp=1, pp=1, dp=24), 6
     for _ in range(60):
-        job = fs._Job(grid, k, 10.0, fs.Rebalance())
+        job = fs._Job(grid, k, fs.Rebalance())
         for r in rng.sample(range(grid.dp), rng.randint(1, 6)):
             job.active[r] = [rng.uniform(1.0, 3.0)]
             if rng.random() < 0.7:
