@@ -72,6 +72,16 @@ def shared_run(tmp_path_factory):
     return get
 
 
+def pytest_configure(config):
+    """Before any test (on the controller, before the xdist workers start and inherit the environment):
+    torch's JIT extensions in the checkout's own directory, unlocked and built (testing/extensions.py)."""
+    if hasattr(config, "workerinput"):
+        return
+    from megatron_mecefo.testing.extensions import prepare
+
+    prepare(config.rootpath)
+
+
 def pytest_addoption(parser):
     parser.addoption("--cpu-times", metavar="FILE", default=None,
                      help="append each test's wall time and CPU seconds (its own and its ended processes') to "
