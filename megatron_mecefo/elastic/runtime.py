@@ -221,9 +221,7 @@ class ElasticRuntime:
         """
         if self.incarnation == 0:
             self.now.step = step
-        nccl = nccl_env.version_record(self._formation.backend)  # the version, and its known hangs
-        for warning in nccl["nccl_warnings"]:
-            self.log.warning("%s", warning)
+        nccl = nccl_env.version_record(self._formation.backend, log=self.log.warning)  # the version, its known hangs
         self.events.write("started", version=__version__, incarnation=self.incarnation, backend=self._formation.backend,
                           nccl_env=nccl_env.recorded(), **nccl)  # what this process's NCCL runs with (nccl_env.py)
         step = self._guarded(self._start)

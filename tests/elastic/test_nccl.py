@@ -105,8 +105,10 @@ def test_nccl_versions_are_parsed_and_known_hangs_named():
 
 
 def test_the_started_events_version_record():
-    assert nccl_env.version_record("nccl", probe=lambda: (2, 25, 1)) == {
+    logged = []
+    assert nccl_env.version_record("nccl", log=logged.append, probe=lambda: (2, 25, 1)) == {
         "nccl_version": "2.25.1", "nccl_warnings": nccl_env.version_warnings((2, 25, 1))}
+    assert logged == nccl_env.version_warnings((2, 25, 1)) and len(logged) == 1  # the rank logs each known hang
     assert nccl_env.version_record("nccl", probe=lambda: 22703) == {"nccl_version": "2.27.3", "nccl_warnings": []}
     assert nccl_env.version_record("gloo", probe=lambda: (2, 25, 1)) == {"nccl_version": None, "nccl_warnings": []}
     broken = lambda: (_ for _ in ()).throw(RuntimeError("no libnccl"))  # noqa: E731

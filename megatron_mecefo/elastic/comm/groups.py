@@ -18,8 +18,9 @@ nothing polls (torchft's pattern). The process environment comes from nccl_env.p
 Every abort is bounded (`destroy_group`, `release`): NCCL's abort can hang in some versions
 (pytorch#119215, #149153); past the deadline it raises AbortHung and the runtime retires the rank,
 as it does a rank left out of a generation (its launcher restarts it). A group is only ever
-aborted, never shut down or destroyed (a destroy waits for a dead peer). A destroyed group must not be referenced any
-more: a communicator's memory (~0.5 GB on a GPU) is freed only with the object (`alive()` counts).
+aborted, never shut down or destroyed (a destroy waits for a dead peer). An aborted group must not
+be referenced any more: a communicator's memory (~0.5 GB on a GPU) is freed only with the object
+(`alive()` counts).
 """
 
 from __future__ import annotations

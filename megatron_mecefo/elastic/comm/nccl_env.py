@@ -218,9 +218,12 @@ def runtime_version(probe: Optional[Callable[[], object]] = None) -> Optional[Tu
         return None
 
 
-def version_record(backend: str, probe: Optional[Callable[[], object]] = None) -> Dict[str, object]:
+def version_record(backend: str, log: Optional[Callable[[str], None]] = None,
+                   probe: Optional[Callable[[], object]] = None) -> Dict[str, object]:
     """For the `started` event: the NCCL version this process runs (None on gloo or without CUDA)
-    and the known hangs of that version."""
+    and the known hangs of that version, each also reported through `log`."""
     version = runtime_version(probe) if backend == "nccl" else None
-    return {"nccl_version": ".".join(map(str, version)) if version else None,
-            "nccl_warnings": version_warnings(version)}
+    warnings = version_warnings(version)
+    for w in warnings if log is not None else ():
+        log(w)
+    return {"nccl_version": ".".join(map(str, version)) if version else None, "nccl_warnings": warnings}
