@@ -132,9 +132,22 @@ def torchrun(checkout: Path, nproc: int, script_args: List[str], timeout: float 
              script: str = "pretrain_gpt.py", env_of: Callable = None):
     """The user's usual launch (torchrun), from the checkout's root. On CPU upstream counts devices
     from LOCAL_SIZE (the deepspeed launcher sets it). `env_of`: extra env -> the processes' env."""
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), script, *script_args]
-    return run_launcher(cmd, timeout, cwd=checkout, env=(env_of or env)({"LOCAL_SIZE": str(nproc)}), merge_output=True)
+           str(port), script, *script_args]
+    try:
+        return run_launcher(cmd, timeout, cwd=checkout, env=(env_of or env)({"LOCAL_SIZE": str(nproc)}),
+                            merge_output=True)
+    finally:
+        remove_shm_buffers(port)
+
+
+def remove_shm_buffers(port: int) -> None:
+    """DeepSpeed's CPU shared-memory op (loaded by upstream's processes, not by MeCeFO's) creates
+    /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>, 69 MB each, and never unlinks
+    them: a suite would leave gigabytes in /dev/shm (memory) on the machine. Removed after the run."""
+    for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+        buffer.unlink(missing_ok=True)
 
 
 def mecefo_launch(checkout: Path, nproc: int, script_args: List[str], *, restart_after: Optional[float] = None,

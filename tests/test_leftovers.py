@@ -1,10 +1,13 @@
-"""The suite's own torch-extensions directory (testing/extensions.py): a lock a killed process left
-would hang every later upstream DeepSpeed run, so it is removed before the tests start."""
+"""What upstream's DeepSpeed processes leave on the machine, cleared by the suite: a torch-extension
+build lock a killed process left (it would hang every later upstream run; testing/extensions.py)
+and DeepSpeed's CPU all-reduce buffers in /dev/shm (testing/mds.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +68,20 @@ def test_a_directory_the_user_chose_is_left_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(extensions, "build", lambda *a: pytest.fail("built in the user's directory"))
     assert extensions.prepare(tmp_path) is None
     assert (mine / extensions.OP / "lock").exists()
+
+
+def test_an_upstream_runs_shared_memory_buffers_are_removed_and_no_others(tmp_path):
+    from megatron_mecefo.testing import mds
+
+    uid = os.getuid()
+    mine = [Path(f"/dev/shm/deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_{rank}") for port, rank in
+            ((1, 0), (1, 1))]
+    others = [Path(f"/dev/shm/deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_0") for port in (11, 21)]
+    try:
+        for f in mine + others:
+            f.write_bytes(b"workspace")
+        mds.remove_shm_buffers(1)
+        assert [f.exists() for f in mine + others] == [False, False, True, True]
+    finally:
+        for f in mine + others:
+            f.unlink(missing_ok=True)
