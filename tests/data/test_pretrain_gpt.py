@@ -24,8 +24,11 @@ def test_with_and_without_mecefo_and_with_a_rebalanced_straggler_train_the_same_
     assert valid_loss(slow.stdout) == pytest.approx(vp, rel=1e-5)
     events = [e for e in map(json.loads, (tmp_path / "slow" / "events_rank0.jsonl").read_text().splitlines())
               if e["event"] == "rebalance"]  # (a tiny model's noisy first steps may re-plan before)
+    # A factor is the median of the window's 3 ratios: above 2 once 2 of them are the slow steps 2 and
+    # 3, installed from step 4 on (step 5 if step 1 measured below the 1.2 threshold; on a loaded
+    # machine it may not), never before the slow-down.
     shed = [e for e in events if e["factors"].get("1", 0) > 2]
-    assert shed and shed[0]["step"] >= 5 and events[-1]["micro_batches"] == {"0": 3, "1": 1}, events
+    assert shed and shed[0]["step"] >= 4 and events[-1]["micro_batches"] == {"0": 3, "1": 1}, events
     assert "replicas [1] slow (x" in slow.stderr
 
 
