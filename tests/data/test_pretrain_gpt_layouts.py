@@ -160,8 +160,10 @@ def test_a_slow_pipeline_stage_makes_its_replica_shed_micro_batches(tmp_path):
     plans = [[(e["step"], e["micro_batches"], sorted(e["factors"])) for e in chaos.events(tmp_path, 4, "rebalance")
               if e["rank"] == r] for r in range(4)]
     assert all(p == plans[0] for p in plans), plans
+    # A factor is the median of the window's 3 ratios: installed from step 4 once 2 of them are the
+    # slow steps 2 and 3 (step 5 if step 1 read below the threshold; on a loaded machine it may not).
     step, deal, slow_replicas = plans[0][-1]
-    assert deal == {"0": 3, "1": 1} and slow_replicas == ["1"] and step >= 2 + 3, plans[0]
+    assert deal == {"0": 3, "1": 1} and slow_replicas == ["1"] and step >= 4, plans[0]
 
 
 @pytest.mark.parametrize("nproc, extra, message", [
