@@ -50,7 +50,7 @@ import torch
 
 from megatron_mecefo.deepspeed_hook.pipeline import is_pipeline_engine
 from megatron_mecefo.elastic.plan.fold import MicroBatch
-from megatron_mecefo.elastic.runtime import StepPlan
+from megatron_mecefo.elastic.interface import StepPlan
 from megatron_mecefo.elastic.sharding.zero import ShardedOptimizer
 from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver
 

@@ -20,7 +20,7 @@ from megatron_mecefo.elastic.attach import attach
 from megatron_mecefo.elastic.comm.groups import default_backend
 from megatron_mecefo.elastic.give_up import collect_given_up
 from megatron_mecefo.elastic.launch.bootstrap import init_distributed, replica_groups_time_out
-from megatron_mecefo.elastic.runtime import StateHooks
+from megatron_mecefo.elastic.interface import StateHooks
 from megatron_mecefo.elastic.sharding.zero import ShardedOptimizer, innermost_optimizer
 from megatron_mecefo.elastic.step import training_state
 

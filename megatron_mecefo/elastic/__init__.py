@@ -5,6 +5,7 @@ here are the step and its runtime; the sub-packages below them never import thes
 
 * attach.py     the composition root: a host joins the job and gets its StepDriver
 * step.py       StepDriver: the one training step of every host (plan, covering, reduce, commit, redo)
+* interface.py  what a host and the runtime hand each other: StepPlan, StateHooks
 * reduction.py  the step's reduction across replicas: flat, sharded, or overlapped in buckets
 * runtime.py    ElasticRuntime: the step protocol (begin, plan, commit, recover), wiring its parts:
 * current.py      Current: where the rank stands (generation, members, group, step)
@@ -32,7 +33,7 @@ _EXPORTS = {
     "CoverMap": "plan.topology", "Grid": "plan.topology", "ring_cover": "plan.topology",
     "Fold": "plan.fold", "MicroBatch": "plan.fold", "fold_neighbor": "plan.fold", "sample_range": "plan.fold",
     "FaultInjector": "faults.inject",
-    "ElasticRuntime": "runtime", "StepPlan": "runtime",
+    "ElasticRuntime": "runtime", "StepPlan": "interface", "StateHooks": "interface",
 }
 
 __all__ = sorted(_EXPORTS)

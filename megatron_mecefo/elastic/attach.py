@@ -19,7 +19,8 @@ from typing import Callable, Optional
 from megatron_mecefo.config import LaunchEnv, MeCeFOConfig
 from megatron_mecefo.elastic.comm.groups import default_backend
 from megatron_mecefo.elastic.faults.inject import FaultInjector
-from megatron_mecefo.elastic.runtime import ElasticRuntime, StateHooks
+from megatron_mecefo.elastic.interface import StateHooks
+from megatron_mecefo.elastic.runtime import ElasticRuntime
 from megatron_mecefo.elastic.step import Host, StepDriver
 
 __all__ = ["attach"]
@@ -35,7 +36,7 @@ def attach(cfg: MeCeFOConfig, job: LaunchEnv, host: Host, *, micro_batches: int,
         cfg, job: the validated MeCeFOConfig and this rank of the job (`bootstrap.init_distributed`).
         host: the host's step (elastic/step.py `Host`).
         micro_batches, micro_batch_size: k per replica per step, and the samples in each.
-        state: what a rejoining rank receives and the give-up checkpoint (runtime.StateHooks).
+        state: what a rejoining rank receives and the give-up checkpoint (interface.StateHooks).
         current_step: () -> the step the host's counters are at (after its `--load`); after the
             start the runtime's step must equal it (a restarted rank's counters come from a peer).
         tensor_parallel, pipeline_parallel: T and P of a replica.

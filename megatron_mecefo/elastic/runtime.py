@@ -31,7 +31,6 @@ It knows ranks and micro-batches, not layers.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -50,6 +49,7 @@ from megatron_mecefo.elastic.faults import holds
 from megatron_mecefo.elastic.faults.inject import FaultInjector
 from megatron_mecefo.elastic.formation import Formation
 from megatron_mecefo.elastic.give_up import GiveUpCheckpoint
+from megatron_mecefo.elastic.interface import StateHooks, StepPlan
 from megatron_mecefo.elastic.latch import StepLatch
 from megatron_mecefo.elastic.leaving import give_up, retire
 from megatron_mecefo.elastic.marks import HostMarks
@@ -66,45 +66,6 @@ from megatron_mecefo.version import __version__
 __all__ = ["ElasticRuntime", "StateHooks", "StepPlan"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-    """What this rank does in the current step."""
-
-    step: int
-    generation: int
-    members: tuple
-    cover: CoverMap
-    micro_batches: tuple
-    """This rank's MicroBatch list: own first, then adopted ones."""
-    divisor: int
-    divisor_mha: int
-
-    @property
-    def covering(self) -> bool:
-        return any(m.replica != self.micro_batches[0].replica for m in self.micro_batches)
-
-    @property
-    def degraded(self) -> bool:
-        return self.cover.degraded
-
-
-@dataclasses.dataclass(frozen=True)
-class StateHooks:
-    """What the runtime reads and writes of the host's training state."""
-
-    get: Optional[Callable[[], Any]] = None
-    """() -> the training state a rejoining rank receives (model, optimizer, scheduler, counters;
-    `step.training_state`); None: nothing but the step."""
-    set: Optional[Callable[[Any], None]] = None
-    """Loads what `get` returned, on the rejoining rank."""
-    save_checkpoint: Optional[Callable[[], str]] = None
-    """() -> path: writes a checkpoint of the last committed step when the job gives up (called on
-    one rank that holds the state); None: no checkpoint."""
-    save_shards: Optional[Callable[[], Any]] = None
-    """Writes this rank's shards of a sharded optimizer state into the give-up checkpoint (every
-    rank holding state calls it; `save_checkpoint` writes the rest)."""
 
 
 class ElasticRuntime:
@@ -133,7 +94,7 @@ class ElasticRuntime:
     """
 
     def __init__(self, config: MeCeFOConfig, job: LaunchEnv, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                 micro_batches: int = 1, state: Optional["StateHooks"] = None, sharding=None,
+                 micro_batches: int = 1, state: Optional[StateHooks] = None, sharding=None,
                  injector: Optional[FaultInjector] = None, costs: Optional[CostMeter] = None,
                  backend: str = "gloo") -> None:
         rank, world = job.rank, job.world

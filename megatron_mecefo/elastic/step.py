@@ -77,14 +77,15 @@ from megatron_mecefo.config import MeCeFOConfig
 from megatron_mecefo.elastic.launch.bootstrap import param_digest
 from megatron_mecefo.elastic.plan.fold import MicroBatch, micro_batch_policy
 from megatron_mecefo.elastic.reduction import Reduction
-from megatron_mecefo.elastic.runtime import ElasticRuntime, StepPlan
+from megatron_mecefo.elastic.interface import StepPlan
+from megatron_mecefo.elastic.runtime import ElasticRuntime
 from megatron_mecefo.rng import rng_state, set_rng_state
 from megatron_mecefo.version import __version__
 
 __all__ = ["Host", "StepDriver", "DrivenHost", "training_state"]
 
 T = TypeVar("T")
-StateHooks = Tuple[Callable[[], Any], Callable[[Any], None]]
+GetSet = Tuple[Callable[[], Any], Callable[[Any], None]]
 
 
 @dataclasses.dataclass
@@ -107,7 +108,7 @@ class Host:
     """Runs before the optimizer step of a committed step (clipping over a replica's model-parallel ranks)."""
 
 
-def training_state(module: StateHooks, optimizer, scheduler=None, counters: Optional[StateHooks] = None) -> StateHooks:
+def training_state(module: GetSet, optimizer, scheduler=None, counters: Optional[GetSet] = None) -> GetSet:
     """(get, set) of what a rejoining rank receives: the module (its own (get, set): legacy Megatron
     models load only their save format), the optimizer, the scheduler, the RNG states and the host's
     counters (plain data). For `ElasticRuntime(state=...)`."""

@@ -120,8 +120,9 @@ def main():
     if args.reference:
         return reference(args)
     from megatron_mecefo.elastic.faults.inject import FaultInjector
+    from megatron_mecefo.elastic.interface import StateHooks
     from megatron_mecefo.elastic.reduction import Reduction
-    from megatron_mecefo.elastic.runtime import ElasticRuntime, StateHooks
+    from megatron_mecefo.elastic.runtime import ElasticRuntime
 
     from megatron_mecefo.config import LaunchEnv
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_mecefo.elastic.runtime import StepPlan
+from megatron_mecefo.elastic.interface import StepPlan
 from megatron_mecefo.elastic.sharding.zero import ShardedOptimizer
 from megatron_mecefo.elastic.step import DrivenHost, Host, StepDriver
 

@@ -89,7 +89,7 @@ def wrap_setup_model_and_optimizer(original: Callable, run: Run) -> Callable:
         from megatron_mecefo.approx import Coverable
         from megatron_mecefo.elastic.attach import attach
         from megatron_mecefo.elastic.give_up import collect_given_up
-        from megatron_mecefo.elastic.runtime import StateHooks
+        from megatron_mecefo.elastic.interface import StateHooks
         from megatron_mecefo.elastic.step import training_state
         from megatron_mecefo.integrations.megatron_lm.host import MegatronLMHost
         from megatron_mecefo.integrations.megatron_lm.optimizer import no_fp32_copies, sharded_state
