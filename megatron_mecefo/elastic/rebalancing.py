@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from megatron_mecefo.elastic.current import Current
 from megatron_mecefo.elastic.leaving import retire
 from megatron_mecefo.elastic.plan.cover_plan import CoverPlan
-from megatron_mecefo.elastic.plan.rebalance import SlowWatch, rebalance, replica_times
+from megatron_mecefo.elastic.plan.rebalance import SlowWatch, rebalance, replica_times, slots
 from megatron_mecefo.elastic.plan.topology import ring_cover
 from megatron_mecefo.errors import NoCoverAvailable
 
@@ -51,14 +51,14 @@ class Rebalancing:
         """Changes of plan for speed so far (events "rebalance")."""
 
     def statistics(self, seconds: float, ran: Sequence) -> List[float]:
-        """This rank's slots of the step's statistics: D numbers, its seconds per micro-batch in its
-        replica's slot (a replica's ranks of one position are one per group)."""
-        costs = self.now.plan.costs
-        work = sum(costs.of(m) for m in ran) / costs.exact
-        slots = [0.0] * self.now.grid.dp
+        """This rank's slots of the step's statistics: D numbers, its seconds per exact micro-batch
+        (the pipeline's fill and drain counted: plan/rebalance.slots) in its replica's slot (a
+        replica's ranks of one position are one per group)."""
+        work = slots(ran, self.now.plan.costs, self.now.grid.pp)
+        out = [0.0] * self.now.grid.dp
         if work > 0:
-            slots[self.now.replica] = seconds / work
-        return slots
+            out[self.now.replica] = seconds / work
+        return out
 
     def take(self, summed: List[float]) -> Dict[int, float]:
         """The D slots off the end of `summed` (in place): seconds per micro-batch by live replica."""

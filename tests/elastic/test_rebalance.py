@@ -9,7 +9,7 @@ import pytest
 
 from megatron_mecefo.elastic.plan.cover_plan import Costs, plan_cover
 from megatron_mecefo.elastic.plan.fold import fold_neighbor
-from megatron_mecefo.elastic.plan.rebalance import SlowWatch, rebalance, replica_times
+from megatron_mecefo.elastic.plan.rebalance import SlowWatch, rebalance, replica_times, slots
 from megatron_mecefo.elastic.plan.topology import Grid, ring_cover
 
 pytestmark = pytest.mark.unit
@@ -100,6 +100,29 @@ def test_no_re_plan_in_the_middle_of_a_change():
     assert steps(watch, [(1, 1, 2.0, 1)] * 2) == [False, True]
     assert steps(watch, [(1, 1, 2.0, 1), (1, 1, 1.0, 1), (1, 1, 1.0, 1)]) == [False, False, True]
     assert watch.factors == {}
+
+
+def test_a_pipeline_replica_dealt_fewer_micro_batches_reads_its_own_speed():
+    """P = 2, D = 2, k = 2, a step of m + P - 1 micro-batch slots (1F1B): replica 1, three times as
+    slow, sheds to one micro-batch; healthy again while it runs one and replica 0 three, it reads 1x
+    per slot (1.5x per micro-batch, above the threshold) and the plan goes back to even."""
+    costs, base = Costs(), fold_neighbor(ring_cover(Grid(dp=2), range(2)), 2)
+    watch, fold = SlowWatch(threshold=1.2, window=2), base
+
+    def run(speed, n):
+        nonlocal fold
+        for _ in range(n):
+            t = {r: speed.get(r, 1.0) * (len(mbs) + 1) for r, mbs in fold.assignments.items()}
+            if watch.observe({r: t[r] / slots(fold.assignments[r], costs, pp=2) for r in t}):
+                fold = rebalance(base, watch.factors, costs) if watch.factors else base
+        return {r: len(mbs) for r, mbs in fold.assignments.items()}
+
+    assert run({1: 3.0}, 4) == {0: 3, 1: 1} and watch.factors == {1: pytest.approx(3.0)}
+    assert run({}, 4) == {0: 2, 1: 2} and watch.factors == {}
+    dealt = rebalance(base, {1: 3.0}, costs).assignments
+    per_micro_batch = [(len(dealt[r]) + 1) / slots(dealt[r], costs) for r in (0, 1)]
+    assert per_micro_batch[1] / per_micro_batch[0] == pytest.approx(1.5), "what counting micro-batches reads"
+    assert slots((), costs, pp=2) == 0.0
 
 
 @pytest.mark.parametrize("threshold, window", [(1.0, 5), (0.5, 5), (1.2, 1)])

@@ -15,6 +15,11 @@ so the factor is against a normal speed):
   lies more than a share (threshold - 1) / 2 above or below it: a re-plan per real change of speed,
   none on noise or in the middle of a change.
 
+With P pipeline stages a replica's step also holds the pipeline's fill and drain, about P - 1
+micro-batch slots whatever its count (1F1B), so a speed is seconds per slot (`slots`), not per
+micro-batch: a healthy replica dealt fewer micro-batches would otherwise read slower (at P = 2, k = 2,
+one micro-batch of four reads 1.5x) and never be found recovered.
+
 A replica above `retire_above` (retire_slower_than) over a whole window is named in `too_slow`: the
 runtime retires it if the others can cover it. A new generation starts a new watch (the runtime
 resets it): its members saw the same steps.
@@ -37,7 +42,14 @@ from typing import Deque, Dict, Mapping, Optional
 from megatron_mecefo.elastic.plan.cover_plan import Costs
 from megatron_mecefo.elastic.plan.fold import Fold
 
-__all__ = ["SlowWatch", "rebalance", "replica_times"]
+__all__ = ["SlowWatch", "rebalance", "replica_times", "slots"]
+
+
+def slots(micro_batches, costs: Costs, pp: int = 1) -> float:
+    """The exact micro-batches' worth of time a pipeline replica of `pp` stages takes to run
+    `micro_batches` (fold.MicroBatch): their costs plus the fill and drain; 0 for none."""
+    work = sum(costs.of(m) for m in micro_batches)
+    return (work + (pp - 1) * costs.exact) / costs.exact if work > 0 else 0.0
 
 
 class SlowWatch:
