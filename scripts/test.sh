@@ -13,4 +13,7 @@ if [ ! -f "$MECEFO_MLM_DEPS/.installed" ] || [ "$ROOT/setup.py" -nt "$MECEFO_MLM
   echo "[test] installing the mlm extra and triton into $MECEFO_MLM_DEPS" >&2
   python scripts/extra_deps.py mlm "$MECEFO_MLM_DEPS" triton && touch "$MECEFO_MLM_DEPS/.installed"
 fi
+# test processes only: torch.compile does nothing (no compile work when Megatron-Core is imported);
+# the shim runs the next sitecustomize on the path (a slow_start/ one, say) after its own
+export PYTHONPATH="$ROOT/megatron_mecefo/testing/nocompile${PYTHONPATH:+:$PYTHONPATH}"
 exec python -m pytest "$@"

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# every mecefo-launch of the tests forks its ranks from a preloaded parent (elastic/launch/preload.py):
+# most of a rank's start is imports; the tests that cover the plain spawn pass --no-preload
+os.environ.setdefault("MECEFO_PRELOAD", "1")
 
 import pytest
 

@@ -25,6 +25,7 @@ from megatron_mecefo.log import read_jsonl
 from megatron_mecefo.testing.launch import ROOT, free_port, run_launcher
 
 STUBS = Path(__file__).resolve().parent / "stubs"
+NO_COMPILE = Path(__file__).resolve().parent / "nocompile"  # first: it runs the next sitecustomize
 SNAPSHOT_GLOB = "Megatron-DeepSpeed-*.tar.gz"
 
 
@@ -57,7 +58,7 @@ def original_script(pattern: str = SNAPSHOT_GLOB, name: str = "pretrain_gpt.py")
 
 
 def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    paths = [str(STUBS)]
+    paths = [str(NO_COMPILE), str(STUBS)]
     try:
         import transformers  # noqa: F401  (the mds extra in this environment)
     except ImportError:

@@ -31,7 +31,7 @@ def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     if not deps or not os.path.isdir(deps):
         raise unittest.SkipTest("Megatron-LM needs the mlm extra and triton: run the tests with scripts/test.sh")
     # CUDA_DEVICE_MAX_CONNECTIONS: upstream asserts it with tensor parallelism (its launch scripts set it)
-    e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(FAKE_CUDA), deps, str(ROOT)]), MECEFO_TEST_FAKE_CUDA="1",
+    e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(mds.NO_COMPILE), str(FAKE_CUDA), deps, str(ROOT)]), MECEFO_TEST_FAKE_CUDA="1",
              CUDA_DEVICE_MAX_CONNECTIONS="1",
              OMP_NUM_THREADS="1")
     e.update(extra or {})

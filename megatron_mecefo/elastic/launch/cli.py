@@ -30,6 +30,13 @@ The job ends early, with no more restarts, when:
   launcher exits 2.
 Ranks die with the launcher (Linux PR_SET_PDEATHSIG), so a killed launcher leaves none behind.
 
+`--preload` (or MECEFO_PRELOAD=1 in the environment; `--no-preload` wins over it) starts every rank,
+restarts included, by forking one parent per node that imported torch, DeepSpeed, Megatron-Core and
+the script's own top-level imports once (or the modules `--preload-modules` / MECEFO_PRELOAD names):
+a restarted rank skips seconds of imports on its way back (preload.py). A module that fails to import
+there, or a parent left with a thread or CUDA after its imports, ends the launcher with exit 2 before
+any rank starts, saying which and why.
+
 Exit status otherwise: 0 when every rank that ended on its own ended with 0 and at least one did;
 ranks killed by a signal (crashes absorbed by MeCeFO) do not count; otherwise the first non-zero
 code. A rank still stopped (SIGSTOP, a hang) once all others have ended is killed and reported.
@@ -45,6 +52,7 @@ from datetime import timedelta
 
 from megatron_mecefo.elastic.comm import nccl_env
 from megatron_mecefo.elastic.comm import store as job_store
+from megatron_mecefo.elastic.launch import preload
 from megatron_mecefo.elastic.launch.supervise import Rank, Supervisor
 from megatron_mecefo.errors import USAGE_EXIT_CODE
 from megatron_mecefo.version import __version__
@@ -73,6 +81,12 @@ def parse_args(argv=None):
                    help="when the job gives up, how long ranks get to write the checkpoint and end (300)")
     p.add_argument("--term-grace", type=float, default=10.0, metavar="SECONDS",
                    help="after SIGTERM/SIGINT, how long ranks get to end before SIGKILL (10)")
+    p.add_argument("--preload", action="store_true",
+                   help="fork every rank, restarts included, from a parent that imported torch, deepspeed, "
+                        "megatron.core and the script's top-level imports once (also: MECEFO_PRELOAD=1)")
+    p.add_argument("--preload-modules", default=None, metavar="M1,M2",
+                   help="with --preload: import exactly these modules in the parent (also: MECEFO_PRELOAD=M1,M2)")
+    p.add_argument("--no-preload", action="store_true", help="spawn every rank (wins over MECEFO_PRELOAD)")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
@@ -80,6 +94,14 @@ def parse_args(argv=None):
         p.error("need nproc-per-node >= 1, nnodes >= 1 and 0 <= node-rank < nnodes")
     if args.master_port == 0 and (args.nnodes > 1 or args.external_store):
         p.error("--master-port 0 works on a single node that hosts the store only")
+    # what to preload: None (spawn), "auto" or a module list (preload.modules_for)
+    env = os.environ.get("MECEFO_PRELOAD", "").strip()
+    if args.no_preload:
+        args.preload = None
+    elif args.preload or args.preload_modules:
+        args.preload = args.preload_modules or "auto"
+    else:
+        args.preload = None if env in ("", "0") else "auto" if env == "1" else env
     return args
 
 
@@ -118,10 +140,24 @@ def main(argv=None) -> int:
             MECEFO_JOB_ID=job_id, MECEFO_MAX_RESTARTS=str(max_restarts),
         )
 
-    return Supervisor(ranks, [sys.executable, "-u", args.script, *args.script_args], env_for, client,
-                      restart_failed_after=args.restart_failed_after, max_restarts=args.max_restarts,
-                      give_up_grace=args.give_up_grace, term_grace=args.term_grace, whole_job=args.nnodes == 1,
-                      logger=logger).run()
+    forker = None
+    if args.preload is not None:
+        try:
+            modules = preload.modules_for(args.preload, args.script)
+            forker = preload.Preloader.start(args.script, args.script_args, modules, dict(os.environ, **nccl))
+        except (OSError, SyntaxError, preload.PreloadError) as e:
+            logger.error("--preload: %s (run without --preload, or name the modules to preload: --preload-modules M1,M2)", e)
+            return USAGE_EXIT_CODE
+        logger.info("preloaded %s in %.1f s: ranks are forked from it", ", ".join(modules) or "nothing",
+                    forker.import_s)
+    try:
+        return Supervisor(ranks, [sys.executable, "-u", args.script, *args.script_args], env_for, client,
+                          restart_failed_after=args.restart_failed_after, max_restarts=args.max_restarts,
+                          give_up_grace=args.give_up_grace, term_grace=args.term_grace, whole_job=args.nnodes == 1,
+                          logger=logger, forker=forker).run()
+    finally:
+        if forker is not None:
+            forker.close()
 
 
 if __name__ == "__main__":

@@ -85,15 +85,18 @@ class Supervisor:
         max_restarts: restarts per rank.
         whole_job: this supervisor sees every rank of the job (a single-node mecefo-launch).
         await_job: once its ranks are gone for good, wait for the job's outcome in the store.
+        forker: start ranks by forking a preloaded parent (preload.py) instead of `command`; if
+            the parent is gone, ranks are spawned with `command` again.
     """
 
     def __init__(self, ranks: Sequence[Rank], command: List[str], env_for: Callable[[Rank], Dict[str, str]], client, *,
                  restart_failed_after: Optional[float], max_restarts: int, give_up_grace: float, term_grace: float,
-                 whole_job: bool, await_job: bool = False, logger: logging.Logger):
+                 whole_job: bool, await_job: bool = False, logger: logging.Logger, forker=None):
         self.ranks, self.command, self.env_for, self.client = list(ranks), command, env_for, client
         self.restart_failed_after, self.max_restarts = restart_failed_after, max_restarts
         self.give_up_grace, self.term_grace = give_up_grace, term_grace
         self.whole_job, self.await_job, self.log = whole_job, await_job, logger
+        self.forker = forker
         # why the job ends early, if it does: ("signal", signum), ("gave_up", None), ("no_rank", None), ("usage", None)
         self.ending: list = []
         self.end_deadline: Optional[float] = None
@@ -142,7 +145,17 @@ class Supervisor:
     # -- processes ---------------------------------------------------------------------------------
 
     def spawn(self, r: Rank) -> None:
-        r.proc = subprocess.Popen(self.command, env=self.env_for(r), preexec_fn=die_with_parent(os.getpid()))
+        env = self.env_for(r)
+        if self.forker is not None:
+            try:
+                r.proc = self.forker.fork(env)
+                self.log.info("rank %d started (pid %d, incarnation %d, forked from the preloaded parent)",
+                              r.rank, r.proc.pid, r.incarnation)
+                return
+            except Exception as e:  # the parent is gone: spawning still works
+                self.log.warning("cannot fork rank %d from the preloaded parent (%s): spawning it", r.rank, e)
+                self.forker = None
+        r.proc = subprocess.Popen(self.command, env=env, preexec_fn=die_with_parent(os.getpid()))
         self.log.info("rank %d started (pid %d, incarnation %d)", r.rank, r.proc.pid, r.incarnation)
 
     def terminate_all(self, why: tuple) -> None:
