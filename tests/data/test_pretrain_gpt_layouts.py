@@ -9,6 +9,7 @@ import pytest
 
 from megatron_mecefo.testing import chaos
 from megatron_mecefo.testing.chaos import Fault, Schedule
+from tests.data.pretrain import spawn_if_refused
 from tests.helpers import ROOT, free_port, run_launcher, two_nodes_lose_one
 
 pytestmark = [pytest.mark.dist, pytest.mark.fault]
@@ -22,7 +23,7 @@ EXACT = ["--no-mecefo-skip-attention", "--no-mecefo-lowrank-ffn", "--mecefo-reco
 
 def launch(tmp_path, nproc, layout, *args, launcher=(), expect=0, timeout=420):
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(nproc), "--master-port", "0",
-           *launcher, str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"),
+           *launcher, *spawn_if_refused(expect), str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"),
            "--deepspeed_config", str(ROOT / "examples/pretrain_gpt/ds_config.json"), *MODEL, *layout, *args]
     proc = run_launcher(cmd, timeout)
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-4000:]

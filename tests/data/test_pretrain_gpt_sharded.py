@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.data.pretrain import SMALL, losses, valid_loss
+from tests.data.pretrain import SMALL, losses, spawn_if_refused, valid_loss
 from tests.helpers import ROOT, run_launcher
 
 pytestmark = [pytest.mark.dist, pytest.mark.fault]
@@ -28,7 +28,8 @@ def ds_config(tmp_path, stage, mecefo=None):
 
 def run(tmp_path, nproc, stage, *extra, launcher=(), expect=0, iters=8, mecefo=None):
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(nproc), "--master-port", "0",
-           *launcher, str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"), *SMALL, "--global-batch-size", "12",
+           *launcher, *spawn_if_refused(expect), str(ROOT / "examples/pretrain_gpt/pretrain_gpt.py"), *SMALL,
+           "--global-batch-size", "12",
            "--train-iters", str(iters), "--eval-interval", str(iters), "--deepspeed_config", ds_config(tmp_path, stage, mecefo),
            *extra]
     proc = run_launcher(cmd, timeout=300)

@@ -33,9 +33,9 @@ FAST = ["--mecefo-collective-timeout-s", "4", "--mecefo-heartbeat-interval-s", "
         "--mecefo-heartbeat-timeout-s", "1.5", "--mecefo-agree-timeout-s", "30"]
 
 
-def launch(out: Path, world: int, *extra: str, restart_after=None, timeout=150):
+def launch(out: Path, world: int, *extra: str, restart_after=None, timeout=150, spawn=False):
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(world), "--master-port", "0",
-           "--max-restarts", "10"]
+           "--max-restarts", "10", *(["--no-preload"] if spawn else [])]
     if restart_after is not None:
         cmd += ["--restart-failed-after", str(restart_after)]
     cmd += [str(TOY_SCRIPT), "--out", str(out), "--steps", str(STEPS), "--k", str(K),
@@ -158,10 +158,11 @@ def test_failure_during_recovery(tmp_path, references):
     assert regroups(tmp_path, 0)[-1]["members"] == [0, 3]
 
 
-def test_rejoin_after_restart(tmp_path, references):
+@pytest.mark.parametrize("spawn", [False, True], ids=["forked", "spawned"])
+def test_rejoin_after_restart(tmp_path, references, spawn):
     # the job holds at step 7 until rank 1 is back, however long its restart takes; step 7's commit admits it
     proc, _ = launch(tmp_path, 3, "--mecefo-inject", "kill:1:2:backward", "--mecefo-inject", "hold:1:7",
-                     restart_after=0.5)
+                     restart_after=0.5, spawn=spawn)
     records = check_run(tmp_path, 3, [0, 1, 2], references[3], proc)
     gens = [sorted(r["rank"] for r in records[s]) for s in range(STEPS)]
     assert gens[2:8] == [[0, 2]] * 6, "degraded from the crash until the hold's step"

@@ -60,8 +60,13 @@ def test_a_cancelled_job_ends_every_rank_without_restarts(tmp_path, signum):
     assert "will restart" not in err and err.count("started (pid") == 3, err
 
 
-def test_a_cancelled_job_with_a_hung_rank_ends(tmp_path):
-    proc, pids = _start(tmp_path)
+# forked from the preloaded parent (the tests' default: MECEFO_PRELOAD=1) or spawned
+STARTS = pytest.mark.parametrize("start", [[], ["--no-preload"]], ids=["forked", "spawned"])
+
+
+@STARTS
+def test_a_cancelled_job_with_a_hung_rank_ends(tmp_path, start):
+    proc, pids = _start(tmp_path, *start)
     os.kill(pids[1], signal.SIGSTOP)  # a hung rank does not act on SIGTERM
     time.sleep(0.5)
     os.kill(proc.pid, signal.SIGTERM)
@@ -74,8 +79,9 @@ def test_a_cancelled_job_with_a_hung_rank_ends(tmp_path):
     assert not any(_alive(p) for p in pids)
 
 
-def test_ranks_die_with_a_killed_launcher(tmp_path):
-    proc, pids = _start(tmp_path)
+@STARTS
+def test_ranks_die_with_a_killed_launcher(tmp_path, start):
+    proc, pids = _start(tmp_path, *start)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 10
