@@ -134,13 +134,19 @@ def test_site_hooks_run_again_in_each_forked_rank(tmp_path):
 THREADS = "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
 CUDA = ("import sys, types\ntorch = types.ModuleType('torch')\n"
         "torch.cuda = types.SimpleNamespace(is_initialized=lambda: True)\nsys.modules['torch'] = torch\n")
+# the CUDA driver initialised without a context (is_available() without NVML): torch marks the
+# child of a fork "bad", and CUDA raises there; the parent asks a probe child
+POISONED = ("import os, sys, types\ntorch = types.ModuleType('torch')\nparent = os.getpid()\n"
+            "torch.cuda = types.SimpleNamespace(is_initialized=lambda: False, _is_in_bad_fork=lambda: os.getpid() != parent)\n"
+            "sys.modules['torch'] = torch\n")
 
 
 @pytest.mark.parametrize("module, source, message", [
     ("no_such_module_here", None, "importing 'no_such_module_here' failed: ModuleNotFoundError"),
     ("starts_a_thread", THREADS, "it runs 1 thread(s) besides its own after the imports"),
     ("initialises_cuda", CUDA, "CUDA was initialised during the imports"),
-], ids=["import-fails", "thread", "cuda"])
+    ("poisons_fork", POISONED, "CUDA's driver was initialised during the imports"),
+], ids=["import-fails", "thread", "cuda", "cuda-driver"])
 def test_a_parent_that_cannot_fork_safely_stops_the_launch(tmp_path, module, source, message):
     if source is not None:
         (tmp_path / f"{module}.py").write_text(source)

@@ -161,11 +161,13 @@ class Preloader:
         argv = [script, *script_args]
         launcher = os.getpid()
         # one OpenMP thread while importing: with more, importing torch starts OpenMP's pool (a thread
-        # a fork would not copy); each rank sets its own count after the fork (_become)
+        # a fork would not copy); each rank sets its own count after the fork (_become). An import
+        # that asks torch.cuda.is_available() asks NVML, which leaves CUDA usable in a forked child
+        # (torch's documented way; on a GPU machine, untested here)
         proc = subprocess.Popen(
             [sys.executable, "-u", "-m", "megatron_mecefo.elastic.launch.preload", str(child_end.fileno()),
              json.dumps(argv), ",".join(modules)],
-            env=dict(env, OMP_NUM_THREADS="1"), pass_fds=(child_end.fileno(),), preexec_fn=lambda: _die_with_parent(launcher))
+            env=dict(env, OMP_NUM_THREADS="1", PYTORCH_NVML_BASED_CUDA_CHECK="1"), pass_fds=(child_end.fileno(),), preexec_fn=lambda: _die_with_parent(launcher))
         child_end.close()
         self = cls(proc, parent_end, argv, modules, 0.0)
         deadline = time.monotonic() + timeout
@@ -281,7 +283,22 @@ def _refusal() -> Optional[str]:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA was initialised during the imports; a forked rank cannot use the parent's CUDA context"
+    if torch is not None and _poisons_fork(torch):
+        return ("CUDA's driver was initialised during the imports (torch.cuda.is_available() or device_count() "
+                "without NVML); a forked rank could not use CUDA")
     return None
+
+
+def _poisons_fork(torch) -> bool:
+    """Whether a child forked now would be in torch's "bad fork" (the CUDA driver initialised in the
+    parent: CUDA raises in the child). Asked of a probe child, where torch records it."""
+    in_bad_fork = getattr(torch.cuda, "_is_in_bad_fork", None)
+    if in_bad_fork is None:
+        return False
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if in_bad_fork() else 0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 1
 
 
 def _prepare(argv: List[str], modules: List[str]) -> None:
