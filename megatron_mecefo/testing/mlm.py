@@ -34,6 +34,8 @@ def env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(mds.NO_COMPILE), str(FAKE_CUDA), deps, str(ROOT)]), MECEFO_TEST_FAKE_CUDA="1",
              CUDA_DEVICE_MAX_CONNECTIONS="1",
              OMP_NUM_THREADS="1")
+    if e.get("MECEFO_PRELOAD", "0") not in ("", "0"):  # upstream's script imports all it needs at its top
+        e["MECEFO_PRELOAD"] = "script"
     e.update(extra or {})
     return e
 

@@ -191,3 +191,4 @@ def test_auto_preloads_the_heavy_stack_and_the_scripts_top_level_imports(tmp_pat
     assert [m for m in auto if m in preload.DEFAULT_MODULES] == [m for m in preload.DEFAULT_MODULES
                                                                 if preload._installed(m)]
     assert preload.modules_for("torch, numpy,", str(script)) == ["torch", "numpy"]
+    assert preload.modules_for("script,torch,json", str(script)) == ["os", "json", "collections", "torch"]

@@ -85,7 +85,8 @@ def parse_args(argv=None):
                    help="fork every rank, restarts included, from a parent that imported torch, deepspeed, "
                         "megatron.core and the script's top-level imports once (also: MECEFO_PRELOAD=1)")
     p.add_argument("--preload-modules", default=None, metavar="M1,M2",
-                   help="with --preload: import exactly these modules in the parent (also: MECEFO_PRELOAD=M1,M2)")
+                   help="with --preload: import exactly these modules in the parent; `script` stands for the "
+                        "script's top-level imports (also: MECEFO_PRELOAD=M1,M2)")
     p.add_argument("--no-preload", action="store_true", help="spawn every rank (wins over MECEFO_PRELOAD)")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
