@@ -382,6 +382,7 @@ def _become(msg: dict, parent: int) -> None:
     if "torch" in sys.modules:  # the parent ran single-threaded (main()); the rank gets its own threads
         sys.modules["torch"].set_num_threads(_omp_threads(os.environ))
     sys.argv = list(msg["argv"])
+    sys.orig_argv = [sys.executable, "-u", *sys.argv]  # what a spawned rank's command line would be
     sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))
     for stream in (sys.stdout, sys.stderr):  # flushed at every line, as with `python -u`
         try:
