@@ -18,15 +18,17 @@ from megatron_mecefo.elastic.launch import cli, preload
 
 ROOT = Path(__file__).resolve().parents[2]
 
-RANK_SCRIPT = """
-import json, os, sys, time
+SIGNALS = "{s.name: str(signal.getsignal(s)) for s in (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)}"
+
+RANK_SCRIPT = f"""
+import json, os, signal, sys, time
 out = os.environ["OUT"]
 rank, inc = int(os.environ["RANK"]), int(os.environ["MECEFO_INCARNATION"])
 info = dict(rank=rank, inc=inc, pid=os.getpid(), ppid=os.getppid(), preloaded="torch" in sys.modules,
-            main=__name__, argv=sys.argv[1:], cwd=os.getcwd(), path0=sys.path[0])
-with open(os.path.join(out, f"rank{rank}.jsonl"), "a") as f:
+            main=__name__, argv=sys.argv[1:], cwd=os.getcwd(), path0=sys.path[0], signals={SIGNALS})
+with open(os.path.join(out, f"rank{{rank}}.jsonl"), "a") as f:
     f.write(json.dumps(info) + "\\n")
-print(f"hello from rank {rank} incarnation {inc}")
+print(f"hello from rank {{rank}} incarnation {{inc}}")
 while not os.path.exists(os.path.join(out, "stop")):
     time.sleep(0.05)
 if rank == 2:
@@ -77,7 +79,13 @@ def test_a_forked_rank_is_a_process_of_its_own(tmp_path):
         first = {r: _records(tmp_path, r)[0] for r in range(3)}
         parents = {i["ppid"] for i in first.values()}
         assert len(parents) == 1 and proc.pid not in parents, first  # one preloaded parent, not the launcher
+        # the signal dispositions of a fresh interpreter (SIGPIPE ignored: a write to a dead peer's
+        # socket raises; a forked rank that took the default died of SIGPIPE when its peer died)
+        fresh = json.loads(subprocess.run([sys.executable, "-c", f"import json, signal; print(json.dumps({SIGNALS}))"],
+                                          capture_output=True, text=True, check=True).stdout)
+        assert fresh["SIGPIPE"] == str(signal.SIG_IGN), fresh
         for r, info in first.items():
+            assert info["signals"] == fresh, (info["signals"], fresh)
             assert info["preloaded"] and info["main"] == "__main__" and info["argv"] == ["an", "argument"], info
             assert info["cwd"] == str(tmp_path) and info["path0"] == str(tmp_path) and info["inc"] == 0, info
 

@@ -369,8 +369,9 @@ def _omp_threads(environ) -> int:
 
 def _become(msg: dict, parent: int) -> None:
     """In the forked child: take the rank's environment, directory, argv and site hooks."""
-    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-        signal.signal(sig, signal.SIG_DFL)
+    # the dispositions a fresh interpreter starts with: SIGPIPE stays ignored (Python's own start-up
+    # ignores it, so a write to a dead peer's socket raises instead of killing the rank)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _die_with_parent(parent)
     old_path = os.environ.get("PYTHONPATH", "")
