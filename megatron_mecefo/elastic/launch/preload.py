@@ -48,6 +48,8 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from megatron_mecefo.elastic.launch.supervise import describe, die_with_parent
+
 __all__ = ["Preloader", "ForkedProcess", "PreloadError", "modules_for", "DEFAULT_MODULES"]
 
 DEFAULT_MODULES = ("torch", "deepspeed", "megatron.core")
@@ -87,18 +89,6 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module.split(".")[0]) is not None
     except (ImportError, ValueError):
         return False
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when `parent` dies (Linux); exit now if it already has."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except Exception:  # not Linux: the rank ends when its store connection breaks instead
-        return
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 # -- the launcher's side ------------------------------------------------------------------------------
@@ -164,7 +154,6 @@ class Preloader:
               timeout: float = 900.0) -> "Preloader":
         parent_end, child_end = socket.socketpair()
         argv = [script, *script_args]
-        launcher = os.getpid()
         # one OpenMP thread while importing: with more, importing torch starts OpenMP's pool (a thread
         # a fork would not copy); each rank sets its own count after the fork (_become). An import
         # that asks torch.cuda.is_available() asks NVML, which leaves CUDA usable in a forked child
@@ -172,7 +161,8 @@ class Preloader:
         proc = subprocess.Popen(
             [sys.executable, "-u", "-m", "megatron_mecefo.elastic.launch.preload", str(child_end.fileno()),
              json.dumps(argv), ",".join(modules)],
-            env=dict(env, OMP_NUM_THREADS="1", PYTORCH_NVML_BASED_CUDA_CHECK="1"), pass_fds=(child_end.fileno(),), preexec_fn=lambda: _die_with_parent(launcher))
+            env=dict(env, OMP_NUM_THREADS="1", PYTORCH_NVML_BASED_CUDA_CHECK="1"), pass_fds=(child_end.fileno(),),
+            preexec_fn=die_with_parent(os.getpid()))
         child_end.close()
         self = cls(proc, parent_end, argv, modules, 0.0)
         deadline = time.monotonic() + timeout
@@ -185,8 +175,10 @@ class Preloader:
                     self.import_s = msg["import_s"]
                     return self
             if self.lost or proc.poll() is not None:
+                code = proc.poll()
                 self.close()
-                raise PreloadError(f"the preloading process ended before it was ready ({describe(proc.poll())})")
+                raise PreloadError(f"the preloading process ended before it was ready "
+                                   f"({'its channel closed' if code is None else describe(code)})")
             if time.monotonic() > deadline:
                 self.close()
                 raise PreloadError(f"the preloading process was not ready after {timeout:.0f} s (importing {modules})")
@@ -258,12 +250,6 @@ class Preloader:
             self.lost = True
         *lines, self._buf = self._buf.split(b"\n")
         return [json.loads(line) for line in lines if line]
-
-
-def describe(code: Optional[int]) -> str:
-    if code is None:
-        return "still running"
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 # -- the parent's side --------------------------------------------------------------------------------
@@ -373,7 +359,7 @@ def _become(msg: dict, parent: int) -> None:
     # ignores it, so a write to a dead peer's socket raises instead of killing the rank)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    _die_with_parent(parent)
+    die_with_parent(parent)()
     old_path = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(msg["env"])  # putenv too: gloo, NCCL and OpenMP read the C environment
