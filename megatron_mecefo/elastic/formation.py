@@ -23,7 +23,7 @@ from megatron_mecefo.elastic.comm import groups
 from megatron_mecefo.elastic.comm.transfer import broadcast_state
 from megatron_mecefo.elastic.faults import holds
 from megatron_mecefo.elastic.faults.inject import FaultInjector
-from megatron_mecefo.elastic.membership import Agreement, Membership
+from megatron_mecefo.elastic.membership import Agreement, Membership, keys
 from megatron_mecefo.elastic.plan.costs import CostMeter, read_costs, summarize_costs
 from megatron_mecefo.elastic.plan.cover_plan import CoverPlan, plan_cover
 from megatron_mecefo.elastic.plan.fold import Fold
@@ -75,15 +75,15 @@ class Formation:
         self.position = grid.position(rank)
 
     def request_join(self, incarnation: int, deadline: float) -> Tuple[int, List[int]]:
-        """A restarted rank asks to come back (after its trace's rejoin step, if any); returns the
-        generation that admits it and that generation's candidates."""
-        holds.wait_for_rejoin_step(self.injector.trace, self.rank, incarnation, self.store, self.membership,
+        """A restarted rank asks to come back (once the job reached its pinned rejoin step, if any:
+        a trace's or a hold's); returns the generation that admits it and that generation's candidates."""
+        holds.wait_for_rejoin_step(self.injector.rejoin_step(self.rank, incarnation), self.store, self.membership,
                                    deadline=deadline)
         # what "hold" rules wait for, once the request is counted: that step's commit admits it
         generation = self.membership.request_join(
-            deadline, announced=lambda: self.store.set(f"rejoining/{self.rank}/{incarnation}", "1"))
-        self.injector.maybe_fire(int(self.store.add("job/progress", 0)), "join")
-        return generation, [int(x) for x in self.store.get(f"gen{generation}/candidates").decode().split(",")]
+            deadline, announced=lambda: self.store.set(keys.rejoining(self.rank, incarnation), "1"))
+        self.injector.maybe_fire(int(self.store.add(keys.PROGRESS, 0)), "join")
+        return generation, [int(x) for x in self.store.get(keys.candidates(generation)).decode().split(",")]
 
     def form(self, generation: int, candidates: Sequence[int], step: Optional[int], reduced: bool = False) -> Generation:
         """Agree on and build generation `generation` (or a later one if it cannot form).

@@ -1,11 +1,16 @@
 """The waits that key a job to its restarted ranks instead of the clock (inject.py's "hold" rules
 and a replayed trace's rejoin steps), so a test or demo plays out as written on any machine,
-however long a restarted process takes to start. Both poll the store and end with the job."""
+however long (or short) a restarted process takes to start. Both sides of a rejoin at step s wait:
+the members at the start of s until the restarted rank has asked to join, and the restarted rank
+until the job has committed step s - 1 (a fast restart would otherwise be admitted earlier). Both
+poll the store and end with the job."""
 
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence, Tuple
+from typing import Iterable, Optional, Tuple
+
+from megatron_mecefo.elastic.membership import keys
 
 __all__ = ["wait_for_holds", "wait_for_rejoin_step"]
 
@@ -15,7 +20,7 @@ def wait_for_holds(holds: Iterable[Tuple[int, int]], step: int, store, membershi
     """At the start of `step`, wait until each (rank, incarnation) of `holds` has asked to rejoin,
     so that this step's commit admits it; past `timeout_s` (join_timeout_s) the job goes on."""
     for rank, incarnation in holds:
-        key = f"rejoining/{rank}/{incarnation}"
+        key = keys.rejoining(rank, incarnation)
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         while not store.check([key]):
@@ -28,14 +33,14 @@ def wait_for_holds(holds: Iterable[Tuple[int, int]], step: int, store, membershi
         events.write("hold", step=step, rank_awaited=rank, incarnation=incarnation, waited_s=time.monotonic() - t0)
 
 
-def wait_for_rejoin_step(trace: Sequence, rank: int, incarnation: int, store, membership, *, deadline: float) -> None:
-    """A rank restarted by a trace (inject.TraceEvent) stays down until its event's rejoin step
-    (the job's progress in the store), or until `deadline` (monotonic)."""
-    mine = [e for e in trace if e.rank == rank and e.incarnation == incarnation - 1]
-    if not mine:
+def wait_for_rejoin_step(step: Optional[int], store, membership, *, deadline: float) -> None:
+    """A restarted rank whose rejoin is pinned to `step` (FaultInjector.rejoin_step; None: not
+    pinned) stays down until the job's progress (the last committed step + 1) reaches it, or until
+    `deadline` (monotonic)."""
+    if step is None:
         return
     watch = membership.orphan_watch()
-    while int(store.add("job/progress", 0)) < mine[0].rejoin_step and time.monotonic() < deadline:
+    while int(store.add(keys.PROGRESS, 0)) < step and time.monotonic() < deadline:
         membership.check_job()
         watch.check()
         time.sleep(0.1)

@@ -18,8 +18,9 @@ completed, the window in which some members commit a step and others do not.
 
 "hold" makes the job wait for a restarted rank instead of for the clock: every member waits at the
 start of the named step until the named incarnation (default 1; 0 for a rank that started too late
-for the first generation) of the named rank has asked to join, so a test or demo that needs a
-rejoin, or a fault during one, gets it on any machine, however long a process takes to start. The
+for the first generation) of the named rank has asked to join, and that incarnation asks only once
+the job has committed the step before, so a test or demo that needs a rejoin, or a fault during
+one, gets it at that step on any machine, however long or short a process takes to start. The
 commit of that step admits the rank.
 
 A kill is a real SIGKILL and a hang a real SIGSTOP under every launcher: under one that is not
@@ -297,6 +298,17 @@ class FaultInjector:
     def hold_at(self, rank: int, step: int, incarnation: int = 1) -> "FaultInjector":
         """Every member waits at the start of `step` until `incarnation` of `rank` asks to rejoin."""
         return self._add("hold", rank, step, "forward", incarnation)
+
+    def rejoin_step(self, rank: int, incarnation: int) -> Optional[int]:
+        """The step a restarted `incarnation` of `rank` rejoins at, if a rule pins it: its trace
+        event's rejoin step, or the step of the hold that awaits it. It asks to join only once the
+        job has committed the step before (holds.wait_for_rejoin_step), so that step's commit, not
+        an earlier one, admits it however fast it restarts; None: it asks as soon as it is up."""
+        for e in self.trace:
+            if e.rank == rank and e.incarnation == incarnation - 1:
+                return e.rejoin_step
+        steps = [r["step"] for r in self.rules if r["kind"] == "hold" and (r["rank"], r["incarnation"]) == (rank, incarnation)]
+        return min(steps) if steps else None
 
     def holds(self, step: int) -> List[tuple]:
         """(rank, incarnation) of the restarted ranks the job waits for at the start of `step`."""

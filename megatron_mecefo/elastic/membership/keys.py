@@ -42,6 +42,11 @@ def join(rank: int) -> str:
     return f"join/{rank}"
 
 
+def rejoining(rank: int, incarnation: int) -> str:
+    """Set once that incarnation of a restarted rank has asked to join (what a "hold" waits for)."""
+    return f"rejoining/{rank}/{incarnation}"
+
+
 def joinee(rank: int) -> str:
     """The generation a waiting rank is admitted to ("" until one is named)."""
     return f"joinee/{rank}"
