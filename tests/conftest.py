@@ -12,6 +12,38 @@ os.environ.setdefault("MECEFO_PRELOAD", "1")
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def preload_server():
+    """One zygote server per test process (megatron_mecefo/testing/zygotes.py): the launches of the
+    session fork their preloaded parents from zygotes that imported torch, DeepSpeed and Megatron
+    once, instead of importing them again for every launch. MECEFO_PRELOAD_SERVER=0 leaves it out."""
+    if os.environ.get("MECEFO_PRELOAD_SERVER") is not None:
+        yield os.environ.get("MECEFO_PRELOAD_SERVER")
+        return
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    where = tempfile.mkdtemp(prefix="mecefo-zygotes-")  # short: a socket path has at most 107 bytes
+    path = os.path.join(where, "socket")
+    with open(os.path.join(where, "server.log"), "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "megatron_mecefo.testing.zygotes", path], stdout=log,
+                                  stderr=subprocess.STDOUT)
+    while not os.path.exists(path):  # it appears once the server accepts connections
+        if server.poll() is not None:
+            raise RuntimeError(f"the zygote server ended: {open(os.path.join(where, 'server.log')).read()[-2000:]}")
+        time.sleep(0.05)
+    os.environ["MECEFO_PRELOAD_SERVER"] = path
+    yield path
+    del os.environ["MECEFO_PRELOAD_SERVER"]
+    server.terminate()  # its zygotes die with it
+    server.wait()
+    import shutil
+
+    shutil.rmtree(where, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def megatron_world():
     """torch.distributed (gloo, world size 1, in-memory store) + Megatron parallel_state, TP=PP=1."""

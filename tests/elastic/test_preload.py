@@ -24,7 +24,9 @@ RANK_SCRIPT = f"""
 import json, os, signal, sys, time
 out = os.environ["OUT"]
 rank, inc = int(os.environ["RANK"]), int(os.environ["MECEFO_INCARNATION"])
-info = dict(rank=rank, inc=inc, pid=os.getpid(), ppid=os.getppid(), preloaded="torch" in sys.modules,
+with open(f"/proc/{{os.getppid()}}/stat") as f:
+    grandparent = int(f.read().rsplit(")", 1)[1].split()[1])
+info = dict(rank=rank, inc=inc, pid=os.getpid(), ppid=os.getppid(), grandparent=grandparent, preloaded="torch" in sys.modules,
             main=__name__, argv=sys.argv[1:], cwd=os.getcwd(), path0=sys.path[0], signals={SIGNALS})
 with open(os.path.join(out, f"rank{{rank}}.jsonl"), "a") as f:
     f.write(json.dumps(info) + "\\n")
@@ -36,8 +38,19 @@ if rank == 2:
 """
 
 
-def _launch(tmp_path, *launcher_args, nproc=3, env=None):
-    script = tmp_path / "rank.py"
+def _env(mode, **extra):
+    """The tests' environment with the parent forked from the session's zygote server ("zygote") or
+    started by the launcher ("own")."""
+    env = dict(os.environ, **extra)
+    if mode == "own":
+        env["MECEFO_PRELOAD_SERVER"] = "0"
+    else:
+        assert env.get("MECEFO_PRELOAD_SERVER", "0") != "0", "tests/conftest.py starts a zygote server"
+    return env
+
+
+def _launch(tmp_path, *launcher_args, nproc=3, env=None, script_dir=None):
+    script = (script_dir or tmp_path) / "rank.py"
     script.write_text(RANK_SCRIPT)
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(nproc), "--master-port",
            "0", *launcher_args, str(script), "an", "argument"]
@@ -72,8 +85,9 @@ def _state(pid):
 
 @pytest.mark.dist
 @pytest.mark.fault
-def test_a_forked_rank_is_a_process_of_its_own(tmp_path):
-    proc = _launch(tmp_path, "--preload-modules", "torch", "--restart-failed-after", "0.2")
+@pytest.mark.parametrize("mode", ["own", "zygote"])
+def test_a_forked_rank_is_a_process_of_its_own(tmp_path, mode):
+    proc = _launch(tmp_path, "--preload-modules", "torch", "--restart-failed-after", "0.2", env=_env(mode))
     try:
         _wait("three ranks started", lambda: all(_records(tmp_path, r) for r in range(3)), proc)
         first = {r: _records(tmp_path, r)[0] for r in range(3)}
@@ -109,6 +123,7 @@ def test_a_forked_rank_is_a_process_of_its_own(tmp_path):
     assert f"rank 1 (pid {first[1]['pid']}) ended: killed by SIGKILL" in err
     assert f"rank 2 (pid {first[2]['pid']}) ended: exit code 1" in err
     assert re.search(r"rank 0 \(pid \d+\) ended: exit code 0", err) and err.count("forked from the preloaded parent") >= 4
+    assert ("forked from a zygote of MECEFO_PRELOAD_SERVER" in err) == (mode == "zygote"), err
     for r in range(3):
         assert f"hello from rank {r} incarnation 0" in out
     assert "hello from rank 1 incarnation 1" in out
@@ -117,14 +132,16 @@ def test_a_forked_rank_is_a_process_of_its_own(tmp_path):
 
 
 @pytest.mark.dist
-def test_site_hooks_run_again_in_each_forked_rank(tmp_path):
+@pytest.mark.parametrize("mode", ["own", "zygote"])
+def test_site_hooks_run_again_in_each_forked_rank(tmp_path, mode):
     """A per-process start-up hook (here one that logs its pid; slow_start/'s delay is one too) sees
-    every forked rank, as it sees every spawned one."""
+    every forked rank, as it sees every spawned one; and the process that imports for the ranks:
+    the launcher's own parent, or the zygote (made for this PYTHONPATH), not the parent forked from it."""
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(
         "import os\nwith open(os.environ['HOOK_LOG'], 'a') as f:\n    f.write(f'{os.getpid()}\\n')\n")
-    env = dict(os.environ, PYTHONPATH=str(hooks), HOOK_LOG=str(tmp_path / "hook.log"))
+    env = _env(mode, PYTHONPATH=str(hooks), HOOK_LOG=str(tmp_path / "hook.log"))
     proc = _launch(tmp_path, "--preload-modules", "json", nproc=2, env=env)
     try:
         _wait("two ranks started", lambda: all(_records(tmp_path, r) for r in range(2)), proc)
@@ -136,7 +153,44 @@ def test_site_hooks_run_again_in_each_forked_rank(tmp_path):
     assert proc.returncode == 0
     started = {int(line) for line in (tmp_path / "hook.log").read_text().split()}
     ranks = {_records(tmp_path, r)[0]["pid"] for r in range(2)}
-    assert ranks <= started and {_records(tmp_path, r)[0]["ppid"] for r in range(2)} <= started
+    importer = {_records(tmp_path, r)[0]["ppid" if mode == "own" else "grandparent"] for r in range(2)}
+    assert ranks <= started and len(importer) == 1 and importer <= started, (started, importer)
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+def test_launches_fork_their_parents_from_one_zygote_and_end_with_their_launcher(tmp_path):
+    """Two launches of one script: each has a parent of its own, forked from the same zygote (it
+    imported once). A SIGKILLed launcher takes its parent and ranks with it (the parent reads its
+    channel's end), the zygote stays for the next launch."""
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for out in runs:
+        out.mkdir()
+    first = _launch(runs[0], "--preload-modules", "json", nproc=2, env=_env("zygote"), script_dir=tmp_path)
+    try:
+        _wait("two ranks started", lambda: all(_records(runs[0], r) for r in range(2)), first)
+        (runs[0] / "stop").touch()
+        first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode == 0
+    second = _launch(runs[1], "--preload-modules", "json", nproc=2, env=_env("zygote"), script_dir=tmp_path)
+    try:
+        _wait("two ranks started", lambda: all(_records(runs[1], r) for r in range(2)), second)
+        a, b = ([_records(out, r)[0] for r in range(2)] for out in runs)
+        assert len({i["ppid"] for i in a}) == len({i["ppid"] for i in b}) == 1 and a[0]["ppid"] != b[0]["ppid"]
+        assert a[0]["grandparent"] == b[0]["grandparent"] not in (first.pid, second.pid), (a, b)
+        doomed = [b[0]["ppid"]] + [i["pid"] for i in b]
+        os.kill(second.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while any(_state(pid) not in ("gone", "Z") for pid in doomed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_state(pid) in ("gone", "Z") for pid in doomed), [_state(pid) for pid in doomed]
+        assert _state(a[0]["grandparent"]) in ("S", "R"), "the zygote serves on"
+    finally:
+        if second.poll() is None:
+            os.killpg(second.pid, signal.SIGKILL)
 
 
 THREADS = "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"

@@ -35,7 +35,9 @@ restarts included, by forking one parent per node that imported torch, DeepSpeed
 the script's own top-level imports once (or the modules `--preload-modules` / MECEFO_PRELOAD names):
 a restarted rank skips seconds of imports on its way back (preload.py). A module that fails to import
 there, or a parent left with a thread or CUDA after its imports, ends the launcher with exit 2 before
-any rank starts, saying which and why.
+any rank starts, saying which and why. With MECEFO_PRELOAD_SERVER naming the socket of a zygote
+server (the tests': megatron_mecefo/testing/zygotes.py) the parent is forked from a process that
+imported them already, and started as above where none answers.
 
 Exit status otherwise: 0 when every rank that ended on its own ended with 0 and at least one did;
 ranks killed by a signal (crashes absorbed by MeCeFO) do not count; otherwise the first non-zero
@@ -145,12 +147,14 @@ def main(argv=None) -> int:
     if args.preload is not None:
         try:
             modules = preload.modules_for(args.preload, args.script)
-            forker = preload.Preloader.start(args.script, args.script_args, modules, dict(os.environ, **nccl))
+            server = os.environ.get("MECEFO_PRELOAD_SERVER", "")
+            forker = preload.Preloader.start(args.script, args.script_args, modules, dict(os.environ, **nccl),
+                                             server=server if server not in ("", "0") else None)
         except (OSError, SyntaxError, preload.PreloadError) as e:
             logger.error("--preload: %s (run without --preload, or name the modules to preload: --preload-modules M1,M2)", e)
             return USAGE_EXIT_CODE
-        logger.info("preloaded %s in %.1f s: ranks are forked from it", ", ".join(modules) or "nothing",
-                    forker.import_s)
+        logger.info("preloaded %s in %.1f s%s: ranks are forked from it", ", ".join(modules) or "nothing",
+                    forker.import_s, " (forked from a zygote of MECEFO_PRELOAD_SERVER)" if forker.shared else "")
     try:
         return Supervisor(ranks, [sys.executable, "-u", args.script, *args.script_args], env_for, client,
                           restart_failed_after=args.restart_failed_after, max_restarts=args.max_restarts,

@@ -139,10 +139,12 @@ class Preloader:
         PreloadError: from `start`, when the parent cannot serve (the message says why).
     """
 
-    def __init__(self, proc: subprocess.Popen, channel: socket.socket, argv: List[str], modules: List[str],
+    def __init__(self, proc: Optional[subprocess.Popen], channel: socket.socket, argv: List[str], modules: List[str],
                  import_s: float):
         self.proc, self.channel, self.argv = proc, channel, argv
         self.modules, self.import_s = modules, import_s
+        self.shared = False
+        """The parent was forked from a zygote server's zygote (not started for this launch)."""
         self._buf = b""
         self._next = 0
         self._started: Dict[int, int] = {}  # request id -> pid
@@ -151,20 +153,25 @@ class Preloader:
 
     @classmethod
     def start(cls, script: str, script_args: List[str], modules: List[str], env: Dict[str, str],
-              timeout: float = 900.0) -> "Preloader":
-        parent_end, child_end = socket.socketpair()
+              timeout: float = 900.0, server: Optional[str] = None) -> "Preloader":
+        """Start the parent and wait until it is ready. `server`: the socket of a zygote server
+        (megatron_mecefo/testing/zygotes.py, MECEFO_PRELOAD_SERVER) to fork the parent from, where
+        one answers; otherwise the parent is a process of its own."""
         argv = [script, *script_args]
         # one OpenMP thread while importing: with more, importing torch starts OpenMP's pool (a thread
         # a fork would not copy); each rank sets its own count after the fork (_become). An import
         # that asks torch.cuda.is_available() asks NVML, which leaves CUDA usable in a forked child
         # (torch's documented way; on a GPU machine, untested here)
-        proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "megatron_mecefo.elastic.launch.preload", str(child_end.fileno()),
-             json.dumps(argv), ",".join(modules)],
-            env=dict(env, OMP_NUM_THREADS="1", PYTORCH_NVML_BASED_CUDA_CHECK="1"), pass_fds=(child_end.fileno(),),
-            preexec_fn=die_with_parent(os.getpid()))
-        child_end.close()
-        self = cls(proc, parent_end, argv, modules, 0.0)
+        env = dict(env, OMP_NUM_THREADS="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
+        proc, channel = None, _ask_server(server, argv, modules, env) if server else None
+        if channel is None:
+            channel, child_end = socket.socketpair()
+            proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", "megatron_mecefo.elastic.launch.preload", str(child_end.fileno()),
+                 json.dumps(argv), ",".join(modules)],
+                env=env, pass_fds=(child_end.fileno(),), preexec_fn=die_with_parent(os.getpid()))
+            child_end.close()
+        self = cls(proc, channel, argv, modules, 0.0)
         deadline = time.monotonic() + timeout
         while True:
             for msg in self._read(min(1.0, max(0.0, deadline - time.monotonic()))):
@@ -172,10 +179,10 @@ class Preloader:
                     self.close()
                     raise PreloadError(msg["error"])
                 if "ready" in msg:
-                    self.import_s = msg["import_s"]
+                    self.import_s, self.shared = msg["import_s"], bool(msg.get("shared"))
                     return self
-            if self.lost or proc.poll() is not None:
-                code = proc.poll()
+            code = proc.poll() if proc is not None else None
+            if self.lost or code is not None:
                 self.close()
                 raise PreloadError(f"the preloading process ended before it was ready "
                                    f"({'its channel closed' if code is None else describe(code)})")
@@ -215,12 +222,13 @@ class Preloader:
             self._live.clear()
 
     def close(self) -> None:
-        """End the parent (its remaining children die with it)."""
+        """End the parent (its remaining children die with it): a parent from a zygote server ends
+        when its channel closes."""
         try:
             self.channel.close()
         except OSError:
             pass
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(10)
@@ -250,6 +258,24 @@ class Preloader:
             self.lost = True
         *lines, self._buf = self._buf.split(b"\n")
         return [json.loads(line) for line in lines if line]
+
+
+def _ask_server(path: str, argv: List[str], modules: List[str], env: Dict[str, str]) -> Optional[socket.socket]:
+    """A channel to a parent forked for this launch by the zygote server at `path`, or None where
+    none answers. The parent gets this process's stdin, stdout and stderr, as a spawned one would."""
+    channel = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        channel.connect(path)
+        request = {"argv": argv, "modules": modules, "env": env, "cwd": os.getcwd()}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        data = (json.dumps(request) + "\n").encode()
+        sent = socket.send_fds(channel, [data], [0, 1, 2])
+        channel.sendall(data[sent:])
+    except OSError:
+        channel.close()
+        return None
+    return channel
 
 
 # -- the parent's side --------------------------------------------------------------------------------
@@ -403,9 +429,11 @@ def _run_as_main(script: str) -> None:
         sys.exit(1)
 
 
-def main() -> None:
-    fd, argv, modules = int(sys.argv[1]), json.loads(sys.argv[2]), [m for m in sys.argv[3].split(",") if m]
-    channel = socket.socket(fileno=fd)
+def serve_launcher(channel: socket.socket, argv: List[str], modules: List[str], *, shared: bool = False) -> None:
+    """Be a launcher's preloaded parent: import `modules` (those not imported yet), refuse or say
+    ready, fork the ranks it asks for; returns only in a rank, once it is the script's process
+    (then run `_run_as_main`), and exits once the launcher is gone. `shared`: this process was forked
+    from a zygote that imported the modules (megatron_mecefo/testing/zygotes.py), not started for the launch."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # close(): nothing of ours to tear down
     t0 = time.perf_counter()
     try:
@@ -418,7 +446,8 @@ def main() -> None:
     except PreloadError as e:
         channel.sendall((json.dumps({"error": str(e)}) + "\n").encode())
         sys.exit(2)
-    channel.sendall((json.dumps({"ready": modules, "import_s": round(time.perf_counter() - t0, 3)}) + "\n").encode())
+    channel.sendall((json.dumps({"ready": modules, "import_s": round(time.perf_counter() - t0, 3), "pid": os.getpid(),
+                                 "shared": shared}) + "\n").encode())
     # what the children inherit stays out of the collector's reach: their first collections would
     # otherwise walk, and so copy page by page, every object imported here (measured: a third of a
     # forked rank's CPU and two thirds of its page faults)
@@ -428,6 +457,11 @@ def main() -> None:
         sys.exit(0)
     channel.close()
     _become(msg, os.getppid())
+
+
+def main() -> None:
+    fd, argv, modules = int(sys.argv[1]), json.loads(sys.argv[2]), [m for m in sys.argv[3].split(",") if m]
+    serve_launcher(socket.socket(fileno=fd), argv, modules)
     _run_as_main(sys.argv[0])
 
 
