@@ -77,12 +77,11 @@ class Formation:
     def request_join(self, incarnation: int, deadline: float) -> Tuple[int, List[int]]:
         """A restarted rank asks to come back (once the job reached its pinned rejoin step, if any:
         a trace's or a hold's); returns the generation that admits it and that generation's candidates."""
-        holds.wait_for_rejoin_step(self.injector.rejoin_step(self.rank, incarnation), self.store, self.membership,
+        holds.wait_for_rejoin_step(self.injector.rejoin_step(self.rank, incarnation), self.membership,
                                    deadline=deadline)
         # what "hold" rules wait for, once the request is counted: that step's commit admits it
-        generation = self.membership.request_join(
-            deadline, announced=lambda: self.store.set(keys.rejoining(self.rank, incarnation), "1"))
-        self.injector.maybe_fire(int(self.store.add(keys.PROGRESS, 0)), "join")
+        generation = self.membership.request_join(deadline, announced=lambda: self.membership.mark_rejoining(incarnation))
+        self.injector.maybe_fire(self.membership.progress(), "join")
         return generation, [int(x) for x in self.store.get(keys.candidates(generation)).decode().split(",")]
 
     def form(self, generation: int, candidates: Sequence[int], step: Optional[int], reduced: bool = False) -> Generation:

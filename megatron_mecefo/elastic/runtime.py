@@ -221,7 +221,7 @@ class ElasticRuntime:
         self._guarded(self._regrouping.admit_pending)
         if self._rebalancing is not None:
             self._rebalancing.at_boundary()
-        holds.wait_for_holds(self.injector.holds(self.now.step), self.now.step, self.store, self.membership,
+        holds.wait_for_holds(self.injector.holds(self.now.step), self.now.step, self.membership,
                              self.cfg.join_timeout_s, self.events, self.log)
         self.latch.reset()
         self.now.issued = ()

@@ -138,6 +138,18 @@ class Membership:
         """
         return self.joins.request(deadline, announced)
 
+    def progress(self) -> int:
+        """The job's last committed step + 1 (keys.PROGRESS; 0 before the first commit)."""
+        return int(self.store.add(keys.PROGRESS, 0))
+
+    def mark_rejoining(self, incarnation: int) -> None:
+        """This restarted rank's request to join is counted (what "hold" rules wait for)."""
+        self.store.set(keys.rejoining(self.rank, incarnation), "1")
+
+    def asked_to_rejoin(self, rank: int, incarnation: int) -> bool:
+        """Whether that incarnation of `rank` has asked to join (`mark_rejoining`)."""
+        return self.store.check([keys.rejoining(rank, incarnation)])
+
     def orphan_watch(self) -> OrphanWatch:
         """A check for a rank waiting outside the job (admission.OrphanWatch)."""
         return OrphanWatch(self.store, self.rank, self.hb_timeout)
