@@ -21,13 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SIGNALS = "{s.name: str(signal.getsignal(s)) for s in (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)}"
 
 RANK_SCRIPT = f"""
-import json, os, signal, sys, time
+import json, multiprocessing.process, os, signal, sys, time
 out = os.environ["OUT"]
 rank, inc = int(os.environ["RANK"]), int(os.environ["MECEFO_INCARNATION"])
 with open(f"/proc/{{os.getppid()}}/stat") as f:
     grandparent = int(f.read().rsplit(")", 1)[1].split()[1])
 info = dict(rank=rank, inc=inc, pid=os.getpid(), ppid=os.getppid(), grandparent=grandparent, preloaded="torch" in sys.modules,
-            main=__name__, argv=sys.argv[1:], cwd=os.getcwd(), path0=sys.path[0], signals={SIGNALS})
+            main=__name__, argv=sys.argv[1:], cwd=os.getcwd(), path0=sys.path[0], signals={SIGNALS},
+            file=__file__, mp_dir=multiprocessing.process.ORIGINAL_DIR)
 with open(os.path.join(out, f"rank{{rank}}.jsonl"), "a") as f:
     f.write(json.dumps(info) + "\\n")
 print(f"hello from rank {{rank}} incarnation {{inc}}")
@@ -52,8 +53,9 @@ def _env(mode, **extra):
 def _launch(tmp_path, *launcher_args, nproc=3, env=None, script_dir=None):
     script = (script_dir or tmp_path) / "rank.py"
     script.write_text(RANK_SCRIPT)
+    # the script named relative to the launcher's directory, as the checkouts' tests name pretrain_gpt.py
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(nproc), "--master-port",
-           "0", *launcher_args, str(script), "an", "argument"]
+           "0", *launcher_args, os.path.relpath(script, tmp_path), "an", "argument"]
     env = dict(env or os.environ, OUT=str(tmp_path))
     return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -102,6 +104,9 @@ def test_a_forked_rank_is_a_process_of_its_own(tmp_path, mode):
             assert info["signals"] == fresh, (info["signals"], fresh)
             assert info["preloaded"] and info["main"] == "__main__" and info["argv"] == ["an", "argument"], info
             assert info["cwd"] == str(tmp_path) and info["path0"] == str(tmp_path) and info["inc"] == 0, info
+            # what multiprocessing's spawn (a checkpoint writer's) reruns `__main__` from: the script's
+            # absolute path, and the directory the rank started in
+            assert info["file"] == str(tmp_path / "rank.py") and info["mp_dir"] == str(tmp_path), info
 
         os.kill(first[0]["pid"], signal.SIGSTOP)  # a hang stops that rank alone
         time.sleep(0.3)

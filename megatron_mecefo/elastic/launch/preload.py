@@ -396,6 +396,9 @@ def _become(msg: dict, parent: int) -> None:
         sys.modules["torch"].set_num_threads(_omp_threads(os.environ))
     sys.argv = list(msg["argv"])
     sys.orig_argv = [sys.executable, "-u", *sys.argv]  # what a spawned rank's command line would be
+    process = sys.modules.get("multiprocessing.process")
+    if process is not None:  # the directory a fresh process starts in: multiprocessing's spawn finds
+        process.ORIGINAL_DIR = os.path.abspath(os.getcwd())  # a relative __main__ from it
     sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))
     for stream in (sys.stdout, sys.stderr):  # flushed at every line, as with `python -u`
         try:
@@ -414,6 +417,7 @@ def _run_as_main(script: str) -> None:
     from importlib.machinery import SourceFileLoader
 
     main = types.ModuleType("__main__")
+    script = os.path.abspath(script)  # as `python script.py` sets __main__.__file__ (Python >= 3.9)
     main.__dict__.update(__file__=script, __builtins__=builtins, __spec__=None, __cached__=None,
                          __loader__=SourceFileLoader("__main__", script))
     sys.modules["__main__"] = main
