@@ -26,8 +26,14 @@ at import (RANK, LOCAL_RANK) saw the launcher's. The parent imports with OMP_NUM
 would start OpenMP's thread pool during `import torch`); a rank sets its own count after the fork
 (torch.set_num_threads: its OMP_NUM_THREADS, else the CPUs it may use, as a fresh process would).
 
+With MECEFO_PRELOAD_SERVER naming a zygote server's socket (megatron_mecefo/testing/zygotes.py,
+what the test suite runs) the parent is forked from a process that imported the modules already,
+gets the launcher's stdin, stdout, stderr, environment and directory, and from then on speaks the
+same protocol; it ends when its channel closes (the launcher is gone). Without an answer from the
+server the launcher starts its own parent.
+
 Wire protocol (JSON lines over a socketpair the launcher made): the parent says
-`{"ready": [modules], "import_s": t}` or `{"error": why}`; the launcher asks `{"start": id, "argv":
+`{"ready": [modules], "import_s": t, "pid": p, "shared": b}` or `{"error": why}`; the launcher asks `{"start": id, "argv":
 [...], "env": {...}, "cwd": dir}`; the parent answers `{"started": id, "pid": p}` and, when the
 child ends, `{"exited": id, "code": c}` (negative: killed by that signal, as Popen's returncode).
 """
