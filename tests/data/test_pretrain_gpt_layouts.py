@@ -150,13 +150,15 @@ def test_giving_up_writes_every_shard_and_resumes(tmp_path):
 
 
 def test_a_slow_pipeline_stage_makes_its_replica_shed_micro_batches(tmp_path):
-    """D = 2 x P = 2: stage 1 of replica 1 (rank 3) three times as slow from step 2. Every rank of
+    """D = 2 x P = 2: stage 1 of replica 1 (rank 3) six times as slow from step 2 (six, not three: on
+    a loaded CPU the sleeping rank is scheduled first, and an injected 3 read near the 1.1 at which a
+    rebalanced replica counts as healthy again; docs/testing.md). Every rank of
     both replicas learns the replica's speed (its slowest stage's) and takes the same deal at the
     same step: replica 1 one micro-batch, replica 0 three; the validation loss is the plain run's."""
     args = ["--global-batch-size", "8", "--train-iters", "10", "--eval-interval", "10", "--log-interval", "1"]
     plain = launch(tmp_path / "plain", 4, ["--pipeline-model-parallel-size", "2"], "--mecefo", *args)
     slow = launch(tmp_path, 4, ["--pipeline-model-parallel-size", "2"], "--mecefo", *args, "--mecefo-rebalance",
-                  "--mecefo-rebalance-window", "3", "--mecefo-inject", "slow:3:3:2", "--mecefo-log-dir", str(tmp_path))
+                  "--mecefo-rebalance-window", "3", "--mecefo-inject", "slow:3:6:2", "--mecefo-log-dir", str(tmp_path))
     assert valid_loss(slow.stdout) == pytest.approx(valid_loss(plain.stdout), rel=1e-5) and valid_loss(plain.stdout)
     plans = [[(e["step"], e["micro_batches"], sorted(e["factors"])) for e in chaos.events(tmp_path, 4, "rebalance")
               if e["rank"] == r] for r in range(4)]

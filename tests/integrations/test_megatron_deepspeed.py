@@ -267,15 +267,16 @@ _EXACT = _NO_DROPOUT + ["--mecefo", "--no-mecefo-skip-attention", "--no-mecefo-l
 
 @pytest.mark.fault
 def test_pipeline_engine_runs_a_rebalanced_plan(mds_checkout, tmp_path, shared_run):
-    """P = 2 x D = 2 in DeepSpeed's pipeline engine, the last stage of replica 1 (rank 3) three
-    times as slow from step 2: both stages of both replicas take the same deal (replica 1 one
-    micro-batch, replica 0 three) and the log lines are the unpatched run's."""
+    """P = 2 x D = 2 in DeepSpeed's pipeline engine, the last stage of replica 1 (rank 3) six times
+    as slow from step 2 (six: see test_megatron_lm.py's slow-replica test): both stages of both
+    replicas take the same deal (replica 1 one micro-batch, replica 0 three) and the log lines are
+    the unpatched run's."""
     root, data = mds_checkout
     upstream = _upstream_pipeline_run(root, data, tmp_path, shared_run)
     log_dir = tmp_path / "log"
     slow = mds.mecefo_launch(root, 4, _pipeline_engine_args(data, tmp_path, _EXACT + [
         "--mecefo-log-dir", str(log_dir), "--mecefo-rebalance", "--mecefo-rebalance-window", "3",
-        "--mecefo-inject", "slow:3:3:2"]))
+        "--mecefo-inject", "slow:3:6:2"]))
     mds.assert_same_run(upstream, upstream, slow, iters=12, evals=(5, 10))
     mds.check_whole_and_identical(log_dir, dp=2, k=2, iters=12, pp=2)
     ran = {rec["rank"]: len(rec["micro_batches"]) for rec in mds.step_records(log_dir)[11]}
