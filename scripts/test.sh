@@ -15,5 +15,5 @@ if [ ! -f "$MECEFO_MLM_DEPS/.installed" ] || [ "$ROOT/setup.py" -nt "$MECEFO_MLM
 fi
 # test processes only: torch.compile does nothing (no compile work when Megatron-Core is imported);
 # the shim runs the next sitecustomize on the path (a slow_start/ one, say) after its own
-export PYTHONPATH="$ROOT/megatron_mecefo/testing/nocompile${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$ROOT/megatron_mecefo/testing/sitehooks${PYTHONPATH:+:$PYTHONPATH}"
 exec python -m pytest "$@"

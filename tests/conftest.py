@@ -16,7 +16,9 @@ import pytest
 def preload_server():
     """One zygote server per test process (megatron_mecefo/testing/zygotes.py): the launches of the
     session fork their preloaded parents from zygotes that imported torch, DeepSpeed and Megatron
-    once, instead of importing them again for every launch. MECEFO_PRELOAD_SERVER=0 leaves it out."""
+    once, instead of importing them again for every launch; and every `mecefo-launch` process of the
+    session stands in for a launcher forked from it (MECEFO_LAUNCHER_SERVER, testing/forked_launcher.py).
+    MECEFO_PRELOAD_SERVER=0 leaves the server out."""
     if os.environ.get("MECEFO_PRELOAD_SERVER") is not None:
         yield os.environ.get("MECEFO_PRELOAD_SERVER")
         return
@@ -34,9 +36,9 @@ def preload_server():
         if server.poll() is not None:
             raise RuntimeError(f"the zygote server ended: {open(os.path.join(where, 'server.log')).read()[-2000:]}")
         time.sleep(0.05)
-    os.environ["MECEFO_PRELOAD_SERVER"] = path
+    os.environ["MECEFO_PRELOAD_SERVER"] = os.environ["MECEFO_LAUNCHER_SERVER"] = path
     yield path
-    del os.environ["MECEFO_PRELOAD_SERVER"]
+    del os.environ["MECEFO_PRELOAD_SERVER"], os.environ["MECEFO_LAUNCHER_SERVER"]
     server.terminate()  # its zygotes die with it
     server.wait()
     import shutil

@@ -25,7 +25,7 @@ from megatron_mecefo.log import read_jsonl
 from megatron_mecefo.testing.launch import ROOT, free_port, run_launcher
 
 STUBS = Path(__file__).resolve().parent / "stubs"
-NO_COMPILE = Path(__file__).resolve().parent / "nocompile"  # first: it runs the next sitecustomize
+NO_COMPILE = Path(__file__).resolve().parent / "sitehooks"  # first: it runs the next sitecustomize
 SNAPSHOT_GLOB = "Megatron-DeepSpeed-*.tar.gz"
 
 

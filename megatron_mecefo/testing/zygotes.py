@@ -10,7 +10,7 @@ what the launcher's own would be: it says ready, forks and reports the ranks, an
 launcher does (the channel closes). A launcher that finds no server starts its own parent.
 
 Processes: the server (imports nothing heavy) -> a zygote per key (forked; imports) -> a parent per
-launch (forked from its zygote) -> the ranks (forked from the parent, as without a server). Each
+launch, or a launcher (forked from its zygote) -> the ranks (forked from the parent, as without a server). Each
 dies with the one above it (PR_SET_PDEATHSIG). The parent gets the launcher's stdin, stdout and
 stderr (passed with the request, SCM_RIGHTS), its environment and working directory.
 
@@ -18,9 +18,16 @@ The key is what decides which files an import reads: the script's directory (fir
 the modules, and PYTHONPATH. Modules a zygote imported saw the environment of the launch that made
 the zygote (as a launcher's own parent's modules see the launcher's, not a rank's).
 
+Launchers too: a `mecefo-launch` process of the tests asks, at its start, for a launcher forked
+from a zygote that imported the launcher's modules (torch for its store: 1.3 CPU-s a launch), and
+stands in for it (testing/forked_launcher.py, MECEFO_LAUNCHER_SERVER). That zygote's key is
+PYTHONPATH and where the launcher's package and torch are imported from.
+
 Wire: the launcher connects and sends one JSON line {"argv", "modules", "env", "cwd"} with its fds
-0, 1 and 2; from then on the connection speaks preload.py's protocol with the parent. The server
-hands the connection, the request and the fds to the key's zygote over a SOCK_SEQPACKET pair.
+0, 1 and 2; from then on the connection speaks preload.py's protocol with the parent. A launcher's
+request is {"kind": "launcher", "argv", "env", "cwd", "origins"}; the answer is {"pid"}, then
+{"status"} when it ends. The server hands the connection, the request and the fds to the key's
+zygote over a SOCK_SEQPACKET pair.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
+import traceback
 from typing import Dict, List, Optional, Tuple
 
 from megatron_mecefo.elastic.launch import preload
@@ -41,12 +50,17 @@ from megatron_mecefo.elastic.launch.supervise import die_with_parent
 
 __all__ = ["main", "key_of"]
 
+LAUNCHER = "megatron_mecefo.elastic.launch.cli"
+"""What a launcher's zygote imports (testing/forked_launcher.py asks for launchers)."""
+
 MAX_REQUEST = 1 << 20
 """Bytes a request may take (its environment is most of it)."""
 
 
 def key_of(request: dict) -> str:
     """The zygote a request is forked from (see the module docstring)."""
+    if request.get("kind") == "launcher":
+        return json.dumps(["launcher", request["env"].get("PYTHONPATH", ""), request["origins"]])
     script_dir = os.path.dirname(os.path.realpath(os.path.join(request["cwd"], request["argv"][0])))
     return json.dumps([script_dir, request["modules"], request["env"].get("PYTHONPATH", "")])
 
@@ -81,15 +95,21 @@ def _read_request(conn: socket.socket, timeout: float = 30.0) -> Tuple[dict, Lis
 # -- a zygote ---------------------------------------------------------------------------------------
 
 def _zygote(channel: socket.socket, request: dict, server: int) -> Tuple[socket.socket, List[int], dict, int]:
-    """Import the request's modules once, then fork a launch's parent for every connection the
-    server hands over. Returns only in such a parent: its connection, stdio fds, request and zygote."""
+    """Import the request's modules once (a launcher's: its own), then fork a launch's parent (a
+    launcher) for every connection the server hands over. Returns only in such a child: its
+    connection, stdio fds, request and zygote."""
     die_with_parent(server)()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    _start_as(request["env"])
+    launcher = request.get("kind") == "launcher"
+    # one OpenMP thread while importing torch (as Preloader.start): a launcher gets its own env back
+    _start_as(dict(request["env"], OMP_NUM_THREADS="1") if launcher else request["env"])
     os.chdir(request["cwd"])  # a relative script path is the launcher's
     error: Optional[str] = None
     try:
-        preload._prepare(request["argv"], request["modules"])
+        if launcher:
+            importlib.import_module(LAUNCHER)
+        else:
+            preload._prepare(request["argv"], request["modules"])
         why = preload._refusal()
         if why is not None:
             error = f"the preloading process will not fork ranks: {why}"
@@ -150,6 +170,51 @@ def _become_parent(conn: socket.socket, stdio: List[int], request: dict, zygote:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     preload.serve_launcher(conn, request["argv"], request["modules"], shared=True)
+
+
+def _become_launcher(conn: socket.socket, stdio: List[int], request: dict, zygote: int) -> None:
+    """In a child of a launcher's zygote: the process that asked (testing/forked_launcher.py) as a
+    launcher. It runs `mecefo-launch` with that process's stdio, environment, directory and
+    arguments, tells it its pid and then its exit status, and kills itself when that process dies
+    (as a killed launcher's ranks die with it). Never returns."""
+    die_with_parent(zygote)()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for target, fd in enumerate(stdio):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.argv = list(request["argv"])
+    conn.sendall((json.dumps({"pid": os.getpid()}) + "\n").encode())
+    threading.Thread(target=_die_with, args=(conn,), daemon=True).start()
+    try:
+        code = importlib.import_module(LAUNCHER).main(sys.argv[1:])
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        conn.sendall((json.dumps({"status": code}) + "\n").encode())
+    except OSError:
+        pass
+    os._exit(code)
+
+
+def _die_with(conn: socket.socket) -> None:
+    """A launcher's watch on the process it stands for: that one sends nothing, so the connection
+    reads its end only when it died (a SIGKILL too)."""
+    try:
+        while conn.recv(1 << 10):
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 # -- the server -------------------------------------------------------------------------------------
@@ -237,8 +302,10 @@ def main() -> None:
             os.unlink(stale)
     print(f"[zygotes] serving on {path} (pid {os.getpid()})", file=sys.stderr, flush=True)
     zygote = _Server(path).run()  # returns in a zygote
-    parent = _zygote(*zygote)  # returns in a launch's parent
-    _become_parent(*parent)  # returns in a rank
+    child = _zygote(*zygote)  # returns in a launch's parent or a launcher
+    if child[2].get("kind") == "launcher":
+        _become_launcher(*child)  # never returns
+    _become_parent(*child)  # returns in a rank
     preload._run_as_main(sys.argv[0])
 
 

@@ -23,7 +23,9 @@ def _start(tmp_path, *launcher_args):
            "--restart-failed-after", "0.2", *launcher_args, str(TOY_SCRIPT),
            "--out", str(tmp_path), "--steps", "1000", "--step-sleep", "0.05", *EXACT]
     err = open(tmp_path / "launcher.err", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    # spawned ranks under a launcher of its own (not one forked from the session's zygote server)
+    env = dict(os.environ, **({"MECEFO_LAUNCHER_SERVER": "0"} if "--no-preload" in launcher_args else {}))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # training is under way on every rank
         if all((tmp_path / f"steps_rank{r}.jsonl").exists() for r in range(3)):
@@ -60,7 +62,8 @@ def test_a_cancelled_job_ends_every_rank_without_restarts(tmp_path, signum):
     assert "will restart" not in err and err.count("started (pid") == 3, err
 
 
-# forked from the preloaded parent (the tests' default: MECEFO_PRELOAD=1) or spawned
+# forked from the preloaded parent (the tests' default: MECEFO_PRELOAD=1) or spawned by a launcher
+# process of its own (the plain path a user runs)
 STARTS = pytest.mark.parametrize("start", [[], ["--no-preload"]], ids=["forked", "spawned"])
 
 

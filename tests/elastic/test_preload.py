@@ -41,10 +41,10 @@ if rank == 2:
 
 def _env(mode, **extra):
     """The tests' environment with the parent forked from the session's zygote server ("zygote") or
-    started by the launcher ("own")."""
+    started by the launcher ("own", and the launcher a process of its own too)."""
     env = dict(os.environ, **extra)
     if mode == "own":
-        env["MECEFO_PRELOAD_SERVER"] = "0"
+        env["MECEFO_PRELOAD_SERVER"] = env["MECEFO_LAUNCHER_SERVER"] = "0"
     else:
         assert env.get("MECEFO_PRELOAD_SERVER", "0") != "0", "tests/conftest.py starts a zygote server"
     return env

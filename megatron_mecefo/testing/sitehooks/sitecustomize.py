@@ -1,10 +1,14 @@
-"""Tests only: `torch.compile` returns what it is given, so importing Megatron-Core does no compile work.
+"""Tests only: the site hook of every test process (`scripts/test.sh` puts this folder first on
+PYTHONPATH, and the tests keep it there for the processes they start; a user's process never loads
+it). It does two things:
+
+* `torch.compile` returns what it is given, so importing Megatron-Core does no compile work;
+* a `mecefo-launch` process with MECEFO_LAUNCHER_SERVER set stands in for a launcher forked from the
+  session's zygote server (testing/forked_launcher.py): it does not import torch for its store again.
 
 Megatron-Core's fusions wrap about 45 functions in `torch.compile` at import, which imports Dynamo
 and Inductor: about 2 of the 5 CPU-seconds of `import megatron.core` on a 2-core machine. The tests
-run with the fusions off, so nothing they run is compiled anyway. `scripts/test.sh` puts this
-folder first on PYTHONPATH, and the tests keep it there for the processes they start; a user's
-process never loads it.
+run with the fusions off, so nothing they run is compiled anyway.
 
 Python imports only the first `sitecustomize` on the path, so this one then runs the next one it
 finds after its own folder (the machine's, `slow_start`'s, a checkout's shims), as if it were first.
@@ -68,4 +72,17 @@ def _run_next() -> None:
             return
 
 
+def _launcher_from_server() -> None:
+    """After the next hook (a slow-start delay reaches the launcher's start as before)."""
+    path = os.environ.get("MECEFO_LAUNCHER_SERVER", "")
+    if path in ("", "0") or not hasattr(sys, "orig_argv"):
+        return
+    try:
+        from megatron_mecefo.testing import forked_launcher
+    except ImportError:
+        return
+    forked_launcher.run(path, sys.orig_argv)  # exits with the launcher's status where the server answers
+
+
 _run_next()
+_launcher_from_server()
