@@ -18,7 +18,7 @@ def preload_server():
     session fork their preloaded parents from zygotes that imported torch, DeepSpeed and Megatron
     once, instead of importing them again for every launch; and every `mecefo-launch` process of the
     session stands in for a launcher forked from it (MECEFO_LAUNCHER_SERVER, testing/forked_launcher.py).
-    MECEFO_PRELOAD_SERVER=0 leaves the server out."""
+    MECEFO_PRELOAD_SERVER=0 leaves the server out, MECEFO_LAUNCHER_SERVER=0 the launchers only."""
     if os.environ.get("MECEFO_PRELOAD_SERVER") is not None:
         yield os.environ.get("MECEFO_PRELOAD_SERVER")
         return
@@ -36,9 +36,14 @@ def preload_server():
         if server.poll() is not None:
             raise RuntimeError(f"the zygote server ended: {open(os.path.join(where, 'server.log')).read()[-2000:]}")
         time.sleep(0.05)
-    os.environ["MECEFO_PRELOAD_SERVER"] = os.environ["MECEFO_LAUNCHER_SERVER"] = path
+    launchers = os.environ.get("MECEFO_LAUNCHER_SERVER") != "0"  # =0: launchers of their own
+    os.environ["MECEFO_PRELOAD_SERVER"] = path
+    if launchers:
+        os.environ["MECEFO_LAUNCHER_SERVER"] = path
     yield path
-    del os.environ["MECEFO_PRELOAD_SERVER"], os.environ["MECEFO_LAUNCHER_SERVER"]
+    del os.environ["MECEFO_PRELOAD_SERVER"]
+    if launchers:
+        del os.environ["MECEFO_LAUNCHER_SERVER"]
     server.terminate()  # its zygotes die with it
     server.wait()
     import shutil

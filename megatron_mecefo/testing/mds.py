@@ -77,6 +77,19 @@ def prepare(root: Path) -> None:
     Megatron's initialisation while the other ranks wait: a 2-rank run then costs ~5x its CPU
     time (54 vs 11 CPU-seconds measured here)."""
     subprocess.run(["make", "-C", str(root / "megatron" / "data")], env=env(), check=True, capture_output=True)
+    compile_sources(root)
+
+
+def compile_sources(root: Path) -> None:
+    """Write the checkout's bytecode once, as `pip install` does for a package. Where
+    PYTHONDONTWRITEBYTECODE is set (this project's CI machines set it) no process writes it, and
+    every one compiled upstream's modules from source again: 0.7 CPU-seconds a Megatron-LM process."""
+    import compileall
+    import warnings
+
+    with warnings.catch_warnings():  # upstream's SyntaxWarnings ("is" with a literal), once per file
+        warnings.simplefilter("ignore")
+        compileall.compile_dir(str(root), quiet=2, rx=re.compile(r"[/\\](tests?|examples|tools|docs)[/\\]"))
 
 
 def write_dataset(checkout: Path, prefix: Path, documents: int = 400) -> None:
@@ -152,14 +165,25 @@ def remove_shm_buffers(port: int) -> None:
 
 
 def mecefo_launch(checkout: Path, nproc: int, script_args: List[str], *, restart_after: Optional[float] = None,
-                  timeout: float = 240, env_of: Callable = None):
+                  timeout: float = 240, env_of: Callable = None, script: str = "pretrain_gpt.py",
+                  extra_env: Optional[Dict[str, str]] = None):
     # port 0: the launcher binds the store's port itself; a port probed here and bound later can be
     # taken in between (a parallel test's gloo pair picked it once)
     cmd = [sys.executable, "-m", "megatron_mecefo.elastic.launch", "--nproc-per-node", str(nproc), "--master-port", "0"]
     if restart_after is not None:
         cmd += ["--restart-failed-after", str(restart_after)]
-    return run_launcher(cmd + ["pretrain_gpt.py", *script_args], timeout, cwd=checkout, env=(env_of or env)(),
+    return run_launcher(cmd + [script, *script_args], timeout, cwd=checkout, env=(env_of or env)(extra_env),
                         merge_output=True)
+
+
+def upstream_reference(checkout: Path, nproc: int, script_args: List[str], *, timeout: float = 240,
+                       env_of: Callable = None):
+    """A fault-free run of upstream's unpatched script (pretrain_gpt_upstream.py) that a test compares
+    against, where the launcher is not what it checks: under mecefo-launch, whose ranks the tests
+    fork from a preloaded parent (a spawned Megatron rank under torchrun costs about 4 CPU-seconds
+    more), with the environment torchrun gives it (`torchrun` below is the user's own launch)."""
+    return mecefo_launch(checkout, nproc, script_args, timeout=timeout, env_of=env_of,
+                         script="pretrain_gpt_upstream.py", extra_env={"LOCAL_SIZE": str(nproc)})
 
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?\| lm loss: ([0-9.E+-]+)")

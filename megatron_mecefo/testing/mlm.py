@@ -63,9 +63,14 @@ def mecefo_launch(checkout: Path, nproc: int, script_args: List[str], **kwargs):
     return mds.mecefo_launch(checkout, nproc, script_args, env_of=env, **kwargs)
 
 
+def upstream_reference(checkout: Path, nproc: int, script_args: List[str], **kwargs):
+    return mds.upstream_reference(checkout, nproc, script_args, env_of=env, **kwargs)
+
+
 def prepare(root: Path) -> None:
     """Build upstream's dataset helpers once (every test's first rank would otherwise compile them)."""
     import subprocess
 
     subprocess.run(["make", "-C", str(root / "megatron" / "core" / "datasets")], env=env(), check=True,
                    capture_output=True)
+    mds.compile_sources(root)

@@ -97,8 +97,11 @@ def test_a_forked_rank_is_a_process_of_its_own(tmp_path, mode):
         assert len(parents) == 1 and proc.pid not in parents, first  # one preloaded parent, not the launcher
         # the signal dispositions of a fresh interpreter (SIGPIPE ignored: a write to a dead peer's
         # socket raises; a forked rank that took the default died of SIGPIPE when its peer died)
+        # (as the launcher's child: the launcher handles SIGINT, so a spawned rank starts with the
+        # default even where the test runs with SIGINT ignored, as a background job of a script does)
         fresh = json.loads(subprocess.run([sys.executable, "-c", f"import json, signal; print(json.dumps({SIGNALS}))"],
-                                          capture_output=True, text=True, check=True).stdout)
+                                          capture_output=True, text=True, check=True,
+                                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)).stdout)
         assert fresh["SIGPIPE"] == str(signal.SIG_IGN), fresh
         for r, info in first.items():
             assert info["signals"] == fresh, (info["signals"], fresh)

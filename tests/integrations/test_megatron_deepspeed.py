@@ -255,10 +255,9 @@ _NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 
 
 def _upstream_pipeline_run(root, data, tmp_path, shared_run):
-    """The unpatched script's fault-free run of that pipeline under torchrun (ZeRO stage 0): shared."""
+    """The unpatched script's fault-free run of that pipeline (ZeRO stage 0): shared."""
     args = _pipeline_engine_args(data, tmp_path, _NO_DROPOUT)
-    return shared_run("mds-upstream-pipeline", args,
-                      lambda: mds.torchrun(root, 4, args, script="pretrain_gpt_upstream.py"))
+    return shared_run("mds-upstream-pipeline", args, lambda: mds.upstream_reference(root, 4, args))
 
 
 _EXACT = _NO_DROPOUT + ["--mecefo", "--no-mecefo-skip-attention", "--no-mecefo-lowrank-ffn",
@@ -288,7 +287,7 @@ def test_pipeline_engine_runs_a_rebalanced_plan(mds_checkout, tmp_path, shared_r
 def test_pipeline_engine_absorbs_a_kill_a_rejoin_and_a_hung_lead(mds_checkout, tmp_path, shared_run):
     """DeepSpeed's pipeline engine (GPTModelPipe, tied embeddings), P = 2 x D = 2: a replica is its
     two stages, and the engine's own schedule runs the plan's micro-batches inside it. With no
-    failure the losses and validation losses are the unpatched run's under torchrun (to 1e-5). The
+    failure the losses and validation losses are the unpatched run's (to 1e-5). The
     last stage of replica 1 is SIGKILLed in the backward of step 4: its first stage leaves (exit 4),
     replica 0 runs both replicas' micro-batches through its pipeline, and the restarted replica
     rejoins after step 8. The lead's last stage (the rank that prints the losses) hangs in step 4:
@@ -345,8 +344,7 @@ def _upstream_zero1_saving_at_6(root, data, tmp_path, shared_run):
     ckpt = Path(tempfile.mkdtemp(prefix="up-zero1-"))
     args = mds.args(data, tmp_path / "up.json", dp=1, micro_batches=6, iters=12, zero_stage=1, extra=[
         "--attention-dropout", "0", "--hidden-dropout", "0", "--save", str(ckpt), "--save-interval", "6"])
-    run = shared_run("mds-upstream-zero1-saving-at-6", args, lambda: mds.torchrun(
-        root, 1, args, script="pretrain_gpt_upstream.py", timeout=300))
+    run = shared_run("mds-upstream-zero1-saving-at-6", args, lambda: mds.upstream_reference(root, 1, args, timeout=300))
     assert run.returncode == 0, run.stdout[-4000:]
     ckpt = Path(run.args[run.args.index("--save") + 1])  # the first run's, when shared
     assert (ckpt / "global_step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").exists()

@@ -214,15 +214,15 @@ def test_bf16_distributed_optimizer_keeps_the_fp32_masters_only_in_the_shards(ml
 @pytest.mark.fault
 def test_pipeline_replicas_absorb_a_kill_a_rejoin_and_a_hung_lead(mlm_checkout, tmp_path):
     """P = 2 x D = 2: a replica is its two stages, running upstream's 1F1B schedule inside it. With
-    no failure the losses and validation losses are the unpatched run's under torchrun (to 1e-5).
+    no failure the losses and validation losses are the unpatched run's (to 1e-5).
     The last stage of replica 1 is SIGKILLed in the backward of step 4: its first stage leaves
     (exit 4: its replica's pipeline broke), replica 0 runs both replicas' micro-batches through its
     pipeline, and the restarted replica rejoins after step 8. The lead replica's last stage (the
     rank that prints the losses) hung in step 4: its replica leaves and the other one prints every
     line once. With the approximations off the losses are the fault-free ones throughout."""
     pipeline = ["--pipeline-model-parallel-size", "2"]
-    upstream = mlm.torchrun(mlm_checkout, 4, mlm.args(dp=2, iters=12, extra=pipeline + [
-        "--attention-dropout", "0", "--hidden-dropout", "0"]), script="pretrain_gpt_upstream.py")
+    upstream = mlm.upstream_reference(mlm_checkout, 4, mlm.args(dp=2, iters=12, extra=pipeline + [
+        "--attention-dropout", "0", "--hidden-dropout", "0"]))
     assert upstream.returncode == 0, upstream.stdout[-4000:]
     free = mlm.mecefo_launch(mlm_checkout, 4, mlm.args(dp=2, iters=12, extra=EXACT + pipeline))
     want = mds.log_lines(upstream.stdout)
@@ -244,8 +244,8 @@ def test_virtual_pipeline_stages_fold_exactly(mlm_checkout, tmp_path):
     MeCeFO too.)"""
     virtual = ["--pipeline-model-parallel-size", "3", "--num-layers", "6", "--num-layers-per-virtual-pipeline-stage",
                "1", "--no-overlap-p2p-communication", "--global-batch-size", "6"]
-    upstream = mlm.torchrun(mlm_checkout, 6, mlm.args(dp=2, iters=8, extra=[
-        "--attention-dropout", "0", "--hidden-dropout", "0"] + virtual), script="pretrain_gpt_upstream.py")
+    upstream = mlm.upstream_reference(mlm_checkout, 6, mlm.args(dp=2, iters=8, extra=[
+        "--attention-dropout", "0", "--hidden-dropout", "0"] + virtual))
     assert upstream.returncode == 0, upstream.stdout[-4000:]
     killed = mlm.mecefo_launch(mlm_checkout, 6, mlm.args(dp=2, iters=8, extra=EXACT + virtual + [
         "--mecefo-log-dir", str(tmp_path / "log"), "--mecefo-inject", "kill:5:4", "--mecefo-cover", "spread"]))
@@ -493,8 +493,8 @@ def _upstream_saving_at_6(mlm_checkout, shared_run, layout):
     ckpt = Path(tempfile.mkdtemp(prefix=f"up-{layout}-"))
     args = mlm.args(dp=1, micro_batches=6, iters=12, extra=NO_DROPOUT + flags + [
         "--save", str(ckpt), "--save-interval", "6"])
-    run = shared_run(f"mlm-upstream-{layout}-saving-at-6", args, lambda: mlm.torchrun(
-        mlm_checkout, 1, args, script="pretrain_gpt_upstream.py", timeout=300))
+    run = shared_run(f"mlm-upstream-{layout}-saving-at-6", args, lambda: mlm.upstream_reference(
+        mlm_checkout, 1, args, timeout=300))
     assert run.returncode == 0, run.stdout[-4000:]
     ckpt = Path(run.args[run.args.index("--save") + 1])  # the first run's, when shared
     if layout != "replicated":
@@ -586,9 +586,9 @@ def test_leaving_mecefo_writes_upstreams_distributed_optimizer_checkpoint(mlm_ch
 
     no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
     up, ours = tmp_path / "upstream", tmp_path / "mecefo"
-    upstream = mlm.torchrun(mlm_checkout, 1, mlm.args(dp=1, micro_batches=6, iters=12, extra=no_dropout + [
+    upstream = mlm.upstream_reference(mlm_checkout, 1, mlm.args(dp=1, micro_batches=6, iters=12, extra=no_dropout + [
         "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable", "--save", str(up), "--save-interval", "6"]),
-        script="pretrain_gpt_upstream.py", timeout=300)
+        timeout=300)
     assert upstream.returncode == 0, upstream.stdout[-4000:]
     mecefo = mlm.mecefo_launch(mlm_checkout, 3, mlm.args(dp=3, iters=12, extra=EXACT + [
         "--use-distributed-optimizer", "--mecefo-inject", "kill:1:4", "--save", str(ours), "--save-interval", "6"]),
