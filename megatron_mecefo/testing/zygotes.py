@@ -143,12 +143,10 @@ def _start_as(env: Dict[str, str]) -> None:
     """Be what `python` started with `env` would be before its imports: that environment
     (OMP_NUM_THREADS=1 among it: Preloader.start), sys.path from its PYTHONPATH instead of the
     server's, and its site hooks run (a launcher's own parent runs them at its start)."""
-    ours = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    theirs = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    old = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(env)
-    rest = [p for p in sys.path[1:] if os.path.abspath(p) not in ours] if sys.path else []
-    sys.path[:] = sys.path[:1] + theirs + rest
+    preload.use_pythonpath(old, env.get("PYTHONPATH", ""))
     for hook in ("sitecustomize", "usercustomize"):
         sys.modules.pop(hook, None)
         try:

@@ -419,12 +419,11 @@ def test_refused_setups_end_before_training(mlm_checkout, tmp_path):
     --use-distributed-optimizer (its replicated optimizer cannot take that state), of one of another
     model (upstream's own load error, as a message), and of a mixed-precision checkpoint's fp32
     masters into a sharded --bf16 job (they would be read as the optimizer's own state)."""
-    distributed = mlm.torchrun(mlm_checkout, 1, mlm.args(dp=1, iters=3, extra=[
-        "--use-distributed-optimizer", "--save", str(tmp_path / "ckpt"), "--save-interval", "3"]),
-        script="pretrain_gpt_upstream.py")
+    distributed = mlm.upstream_reference(mlm_checkout, 1, mlm.args(dp=1, iters=3, extra=[
+        "--use-distributed-optimizer", "--save", str(tmp_path / "ckpt"), "--save-interval", "3"]))
     assert distributed.returncode == 0, distributed.stdout[-3000:]
-    mixed = mlm.torchrun(mlm_checkout, 1, mlm.args(dp=1, iters=3, extra=[
-        "--bf16", "--save", str(tmp_path / "bf16"), "--save-interval", "3"]), script="pretrain_gpt_upstream.py")
+    mixed = mlm.upstream_reference(mlm_checkout, 1, mlm.args(dp=1, iters=3, extra=[
+        "--bf16", "--save", str(tmp_path / "bf16"), "--save-interval", "3"]))
     assert mixed.returncode == 0, mixed.stdout[-3000:]
     base = mlm.args(dp=1, extra=["--mecefo"])
     cases = {

@@ -50,7 +50,8 @@ def test_apply_check_revert_round_trip(upstream, tmp_path):
     text = (checkout / "pretrain_gpt.py").read_text()
     assert f"import megatron_mecefo.integrations.{module} as mecefo\n" in text
     assert "    pretrain = mecefo.install(pretrain)\n" in text
-    changed = {k for k in pristine if _tree(checkout)[k] != pristine[k]}
+    patched = _tree(checkout)
+    changed = {k for k in pristine if patched[k] != pristine[k]}
     assert changed == {"pretrain_gpt.py"}  # one file, two lines
     r = _cli("check", checkout)
     assert r.returncode == 0 and ", patched" in r.stdout

@@ -385,6 +385,15 @@ def _omp_threads(environ) -> int:
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def use_pythonpath(old: str, new: str) -> None:
+    """sys.path as a process started with PYTHONPATH `new` has it, in one started with `old`: the
+    entries of `old` leave, those of `new` follow sys.path[0] (the script's directory)."""
+    ours = [os.path.abspath(p) for p in old.split(os.pathsep) if p]
+    theirs = [os.path.abspath(p) for p in new.split(os.pathsep) if p]
+    rest = [p for p in sys.path[1:] if os.path.abspath(p) not in ours + theirs]
+    sys.path[:] = sys.path[:1] + theirs + rest
+
+
 def _become(msg: dict, parent: int) -> None:
     """In the forked child: take the rank's environment, directory, argv and site hooks."""
     # the dispositions a fresh interpreter starts with: SIGPIPE stays ignored (Python's own start-up
@@ -396,8 +405,7 @@ def _become(msg: dict, parent: int) -> None:
     os.environ.clear()
     os.environ.update(msg["env"])  # putenv too: gloo, NCCL and OpenMP read the C environment
     os.chdir(msg["cwd"])
-    added = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in old_path.split(os.pathsep)]
-    sys.path[1:1] = [os.path.abspath(p) for p in added]
+    use_pythonpath(old_path, os.environ.get("PYTHONPATH", ""))
     if "torch" in sys.modules:  # the parent ran single-threaded (main()); the rank gets its own threads
         sys.modules["torch"].set_num_threads(_omp_threads(os.environ))
     sys.argv = list(msg["argv"])
