@@ -157,9 +157,9 @@ def _start_as(env: Dict[str, str]) -> None:
             print(f"Error in {hook}; {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
-def _become_parent(conn: socket.socket, stdio: List[int], request: dict, zygote: int) -> None:
-    """In a child of the zygote: the launcher's stdio, environment and directory, then its parent
-    (preload.serve_launcher), which returns only in a rank."""
+def _take_over(stdio: List[int], request: dict, zygote: int) -> None:
+    """In a child of a zygote: die with it, and take the asking process's stdio, environment and
+    directory."""
     die_with_parent(zygote)()
     for target, fd in enumerate(stdio):
         os.dup2(fd, target)
@@ -167,6 +167,12 @@ def _become_parent(conn: socket.socket, stdio: List[int], request: dict, zygote:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+
+
+def _become_parent(conn: socket.socket, stdio: List[int], request: dict, zygote: int) -> None:
+    """In a child of the zygote: the launcher's stdio, environment and directory, then its parent
+    (preload.serve_launcher), which returns only in a rank."""
+    _take_over(stdio, request, zygote)
     preload.serve_launcher(conn, request["argv"], request["modules"], shared=True)
 
 
@@ -175,14 +181,8 @@ def _become_launcher(conn: socket.socket, stdio: List[int], request: dict, zygot
     launcher. It runs `mecefo-launch` with that process's stdio, environment, directory and
     arguments, tells it its pid and then its exit status, and kills itself when that process dies
     (as a killed launcher's ranks die with it). Never returns."""
-    die_with_parent(zygote)()
+    _take_over(stdio, request, zygote)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    for target, fd in enumerate(stdio):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.chdir(request["cwd"])
     sys.argv = list(request["argv"])
     conn.sendall((json.dumps({"pid": os.getpid()}) + "\n").encode())
     threading.Thread(target=_die_with, args=(conn,), daemon=True).start()
